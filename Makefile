@@ -1,0 +1,49 @@
+# streamkeep: `make serve` runs the server, `make test` runs every test. Both install what they
+# need first (a .venv with the Python packages, conformance/node_modules from the npm lockfile).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+VENV_STAMP := $(VENV)/.installed
+NPM_STAMP := conformance/node_modules/.installed
+ARGS ?=
+
+.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 venv clean
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (3.11+) on PATH"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+$(NPM_STAMP): conformance/package.json conformance/package-lock.json
+	@command -v npm >/dev/null || { echo "need Node 20+ with npm on PATH for the conformance suite"; exit 1; }
+	cd conformance && npm ci --no-audit --no-fund
+	@touch $@
+
+## Run the server on http://127.0.0.1:4437 with memory storage. Extra flags: make serve ARGS="--port 8080"
+serve: $(VENV_STAMP)
+	$(VENV)/bin/streamkeep serve $(ARGS)
+
+## Every test: lint, our own tests, the official conformance suite over HTTP/1.1 and HTTPS+h2.
+test: lint unit conformance
+
+lint: $(VENV_STAMP)
+	$(VENV)/bin/ruff check streamkeep tests ops
+
+unit: $(VENV_STAMP)
+	$(PY) -m pytest -q
+
+conformance: conformance-h1 conformance-h2
+
+conformance-h1: $(VENV_STAMP) $(NPM_STAMP)
+	$(PY) -m ops.run_conformance
+
+conformance-h2: $(VENV_STAMP) $(NPM_STAMP)
+	$(PY) -m ops.run_conformance --tls-h2
+
+clean:
+	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache

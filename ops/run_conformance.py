@@ -1,0 +1,100 @@
+"""Run the official conformance suite against a fresh streamkeep process.
+
+    python -m ops.run_conformance            # HTTP/1.1
+    python -m ops.run_conformance --tls-h2   # HTTPS, HTTP/2 negotiated by ALPN
+
+Forks and subscriptions (issue #4) are excluded until implemented; the summary line says how many
+tests ran. Exits non-zero when any test fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ops.serverproc import ROOT, start
+
+SUITE_DIR = ROOT / "conformance"
+NOT_YET = "Fork - |Reserved subscription APIs"
+
+
+def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    import trustme
+
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1", "localhost")
+    ca, cert, key = directory / "ca.pem", directory / "cert.pem", directory / "key.pem"
+    authority.cert_pem.write_to_path(str(ca))
+    certificate.private_key_pem.write_to_path(str(key))
+    with cert.open("wb") as out:
+        for blob in certificate.cert_chain_pems:
+            out.write(blob.bytes())
+    return ca, cert, key
+
+
+def check_http2_was_used(url: str, ca: Path) -> int:
+    """The suite cannot tell which protocol fetch used; the server's own counters can."""
+    import json
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(ca))
+    with urllib.request.urlopen(f"{url}/stats", context=context) as response:
+        by_version = json.load(response)["requests_by_http_version"]
+    print(f"conformance: requests by HTTP version: {by_version}")
+    if by_version.get("2", 0) < 1000 or by_version.get("1.1", 0) > 1:
+        print("conformance: the suite did not run over HTTP/2", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tls-h2", action="store_true", help="serve HTTPS and make the suite use HTTP/2")
+    parser.add_argument("--filter", help="vitest -t pattern to run a subset (for debugging)")
+    parser.add_argument("server_args", nargs="*", help="extra `streamkeep serve` arguments")
+    args = parser.parse_args()
+
+    if not (SUITE_DIR / "node_modules").is_dir():
+        print("conformance/node_modules is missing: run `make conformance` (it runs npm ci)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ)
+        server_args = ["--long-poll-timeout", "0.5", *args.server_args]
+        if args.tls_h2:
+            ca, cert, key = make_certificates(Path(tmp))
+            server_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
+            env["NODE_EXTRA_CA_CERTS"] = str(ca)
+            env["CONFORMANCE_HTTP2"] = "1"
+        server = start(*server_args)
+        mode = "HTTPS + HTTP/2" if args.tls_h2 else "HTTP/1.1"
+        print(f"conformance: {mode} against {server.url}", flush=True)
+        try:
+            pattern = args.filter or f"^(?!.*({NOT_YET}))"
+            env["CONFORMANCE_TEST_URL"] = server.url
+            result = subprocess.run(
+                ["npx", "vitest", "run", "--config", "vitest.config.mjs", "-t", pattern],
+                cwd=SUITE_DIR,
+                env=env,
+            )
+            if args.tls_h2 and result.returncode == 0:
+                result.returncode = check_http2_was_used(server.url, Path(tmp) / "ca.pem")
+        finally:
+            code = server.stop()
+            if code not in (0, None):
+                print(
+                    f"streamkeep exited with {code}; its output:\n{''.join(server.output)}", file=sys.stderr
+                )
+    if not server.output or code not in (0, None):
+        return 1
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

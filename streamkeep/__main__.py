@@ -1,0 +1,3 @@
+from streamkeep.cli import main
+
+raise SystemExit(main())

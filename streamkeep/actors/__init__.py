@@ -1,0 +1,1 @@
+"""One trio task per stream (`StreamActor`), spawned and hibernated by a `Supervisor`."""

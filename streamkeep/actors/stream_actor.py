@@ -1,0 +1,241 @@
+"""The actor that owns one stream: every change to it happens here, one message at a time.
+
+Because a single task applies every create, append, close and delete of its stream, sequencing
+and producer checks need no locks. Readers get snapshots plus an event that fires at the next
+change, so live readers wait without holding the actor. The actor hibernates (its task ends)
+after a quiet spell with no live readers; the supervisor starts a fresh one on the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from streamkeep.actors.mailbox import ActorGone, Message, Reply
+from streamkeep.protocol import stream as rules
+from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
+from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, StreamMeta
+from streamkeep.storage.base import StorageFull, StreamLog
+
+if TYPE_CHECKING:
+    from streamkeep.actors.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamView:
+    """A stream's state at one moment, for building a response after the actor moved on."""
+
+    meta: StreamMeta
+    tail: int
+
+
+@dataclass(frozen=True)
+class ReadView:
+    view: StreamView
+    start: int
+    messages: list[bytes]
+    next_position: int
+    # Fires at the stream's next change (append, close, delete): what live readers wait on.
+    changed: trio.Event
+
+    @property
+    def at_tail(self) -> bool:
+        return self.next_position >= self.view.tail
+
+
+class StreamActor:
+    def __init__(self, name: str, supervisor: Supervisor) -> None:
+        self.name = name
+        self._supervisor = supervisor
+        self._storage = supervisor.storage
+        self._send, self._receive = trio.open_memory_channel[Message](supervisor.mailbox_size)
+        self._changed = trio.Event()
+        self.live_readers = 0
+        self.alive = True
+
+    # ---- the mailbox -------------------------------------------------------------------
+
+    async def call(self, handler_name: str, *args: Any) -> Any:
+        reply = Reply()
+        try:
+            await self._send.send(Message(getattr(self, handler_name), args, reply))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ActorGone from None
+        return await reply.wait()
+
+    async def run(self) -> None:
+        idle = self._supervisor.hibernate_after
+        async with self._receive:
+            while True:
+                message: Message | None = None
+                with trio.move_on_after(idle):
+                    message = await self._receive.receive()
+                if message is not None:
+                    await self._handle(message)
+                    continue
+                if self.live_readers == 0 and self._receive.statistics().current_buffer_used == 0:
+                    # No checkpoint between this check and leaving the registry, so no message
+                    # can slip into a mailbox that nobody will read.
+                    self.alive = False
+                    self._supervisor.forget(self)
+                    self._send.close()
+                    return
+
+    async def _handle(self, message: Message) -> None:
+        try:
+            result = await message.handler(*message.args)
+        except ProtocolError as error:
+            message.reply.fail(error)
+        except Exception as error:  # a bug or a storage fault: answer 500, keep the actor alive
+            log.exception("stream %r: %s failed", self.name, message.handler.__name__)
+            message.reply.fail(error)
+        else:
+            message.reply.set(result)
+
+    @contextmanager
+    def live_reader(self) -> Iterator[None]:
+        """Marks a long-poll or SSE reader, which keeps the actor from hibernating."""
+        self.live_readers += 1
+        try:
+            yield
+        finally:
+            self.live_readers -= 1
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _view(self, stream_log: StreamLog) -> StreamView:
+        return StreamView(rules.copy_meta(stream_log.meta), stream_log.tail)
+
+    async def _existing(self, now: float) -> StreamLog:
+        stream_log = self._storage.open(self.name)
+        if stream_log is None:
+            raise not_found(self.name)
+        if stream_log.meta.expired(now):
+            log.info("stream %r expired", self.name)
+            await self._storage.delete(self.name)
+            self._notify()
+            raise not_found(self.name)
+        return stream_log
+
+    # ---- handlers: each runs inside the actor's task ----------------------------------
+
+    async def create(self, spec: CreateSpec) -> tuple[int, StreamView]:
+        now = time.time()
+        try:
+            existing = await self._existing(now)
+        except ProtocolError:
+            existing = None
+        if existing is not None:
+            if not spec.matches(existing.meta):
+                raise ProtocolError(
+                    409,
+                    "stream_exists",
+                    "the stream exists with another content type, TTL, expiry or closed state",
+                )
+            return 200, self._view(existing)
+        meta = spec.new_meta(self.name, uuid.uuid4().hex[:12], now)
+        try:
+            created = await self._storage.create(meta, spec.messages)
+        except StorageFull as error:
+            raise _full(error) from None
+        self._notify()
+        return 201, self._view(created)
+
+    async def append(self, spec: AppendSpec) -> AppendOutcome:
+        now = time.time()
+        stream_log = await self._existing(now)
+        stream_log.meta.last_access = now
+        state = rules.StreamState(stream_log.meta, stream_log.producers, stream_log.tail)
+        plan = rules.plan_append(state, spec)
+        if isinstance(plan, AppendOutcome):
+            return plan
+        candidate = rules.StreamState(
+            rules.copy_meta(stream_log.meta), dict(stream_log.producers), state.tail
+        )
+        outcome = rules.apply_append(candidate, plan, state.tail + sum(len(m) for m in plan.messages))
+        producer = (
+            (plan.producer_id, plan.producer_state)
+            if plan.producer_id is not None and plan.producer_state is not None
+            else None
+        )
+        try:
+            await stream_log.append(plan.messages, candidate.meta, producer)
+        except StorageFull as error:
+            raise _full(error) from None
+        self._notify()
+        return outcome
+
+    async def read(self, start: int | str, max_bytes: int, touch: bool) -> ReadView:
+        """`start` is a position, or "-1"/"now"; `touch` renews a sliding TTL."""
+        now = time.time()
+        stream_log = await self._existing(now)
+        if touch:
+            stream_log.meta.last_access = now
+        tail = stream_log.tail
+        if start == "now":
+            position = tail
+        elif start == "-1":
+            position = 0
+        else:
+            assert isinstance(start, int)
+            position = start
+            if position > tail:
+                raise bad_request("offset_out_of_range", "offset is past the end of the stream")
+            if stream_log.meta.json_mode and not stream_log.is_boundary(position):
+                raise bad_request("invalid_offset", "offset is not at a message boundary of this JSON stream")
+        if position >= tail:
+            result_messages: list[bytes] = []
+            next_position = tail
+        else:
+            result = stream_log.read(position, max_bytes, whole_messages=stream_log.meta.json_mode)
+            result_messages, next_position = result.messages, result.next_position
+        return ReadView(self._view(stream_log), position, result_messages, next_position, self._changed)
+
+    async def head(self) -> StreamView:
+        return self._view(await self._existing(time.time()))
+
+    async def touch(self) -> None:
+        """Renews a sliding TTL for a live reader that is still waiting."""
+        stream_log = self._storage.open(self.name)
+        if stream_log is not None:
+            stream_log.meta.last_access = time.time()
+
+    async def delete(self) -> None:
+        await self._existing(time.time())
+        await self._storage.delete(self.name)
+        self._notify()
+
+    def ttl_deadline(self) -> float:
+        stream_log = self._storage.open(self.name)
+        if stream_log is None:
+            return math.inf
+        meta = stream_log.meta
+        deadlines = [math.inf]
+        if meta.ttl_seconds is not None:
+            deadlines.append(meta.last_access + meta.ttl_seconds)
+        if meta.expires_at_ts is not None:
+            deadlines.append(meta.expires_at_ts)
+        return min(deadlines)
+
+
+def _full(error: StorageFull) -> ProtocolError:
+    if error.per_stream:
+        return ProtocolError(413, "stream_too_large", str(error))
+    return ProtocolError(507, "storage_full", f"{error}; delete streams or raise the cap")
+
+
+__all__ = ["ActorGone", "ReadView", "StreamActor", "StreamView"]

@@ -1,0 +1,72 @@
+"""Starts stream actors on demand, routes messages to them, and lets idle ones hibernate."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+from streamkeep.actors.mailbox import ActorGone
+from streamkeep.actors.stream_actor import StreamActor
+from streamkeep.protocol.errors import not_found
+from streamkeep.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        storage: Storage,
+        nursery: trio.Nursery,
+        *,
+        mailbox_size: int = 64,
+        hibernate_after: float = 30.0,
+    ) -> None:
+        self.storage = storage
+        self.mailbox_size = mailbox_size
+        self.hibernate_after = hibernate_after
+        self._nursery = nursery
+        self._actors: dict[str, StreamActor] = {}
+        self.spawned = 0
+
+    @property
+    def active(self) -> int:
+        return len(self._actors)
+
+    def actor(self, name: str, *, must_exist: bool) -> StreamActor:
+        """The stream's running actor, started if needed.
+
+        With `must_exist`, a stream that has neither an actor nor stored data is answered 404
+        without starting one, so a flood of requests for random names costs no tasks.
+        """
+        actor = self._actors.get(name)
+        if actor is None:
+            if must_exist and self.storage.open(name) is None:
+                raise not_found(name)
+            actor = StreamActor(name, self)
+            self._actors[name] = actor
+            self.spawned += 1
+            self._nursery.start_soon(actor.run, name=f"stream-actor:{name}")
+        return actor
+
+    async def call(self, name: str, handler: str, *args: Any, must_exist: bool = True) -> Any:
+        while True:
+            actor = self.actor(name, must_exist=must_exist)
+            try:
+                return await actor.call(handler, *args)
+            except ActorGone:
+                continue
+
+    @contextmanager
+    def live_reader(self, name: str) -> Iterator[StreamActor]:
+        actor = self.actor(name, must_exist=True)
+        with actor.live_reader():
+            yield actor
+
+    def forget(self, actor: StreamActor) -> None:
+        if self._actors.get(actor.name) is actor:
+            del self._actors[actor.name]

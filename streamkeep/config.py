@@ -1,0 +1,251 @@
+"""Settings from four layers, later winning: defaults, a TOML file, DS_* variables, CLI flags.
+
+One table (`SETTINGS`) defines each setting once; the CLI flags, TOML keys (`[server] port`) and
+environment variables (`DS_SERVER__PORT`, the style of seed 000) are all derived from it. Bad values
+fail at start with a message that names the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+
+class ConfigError(Exception):
+    pass
+
+
+_SIZE = re.compile(r"(?i)\s*(\d+)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?\s*")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def byte_size(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.fullmatch(str(value))
+    if not match:
+        raise ValueError("expected a size such as 1048576, 64MiB or 1GiB")
+    unit = (match.group(2) or "").lower()[:1]
+    return int(match.group(1)) * _UNITS[unit]
+
+
+def seconds(value: Any) -> float:
+    number = float(value)
+    if not number > 0 or number != number or number == float("inf"):
+        raise ValueError("expected a positive number of seconds")
+    return number
+
+
+def positive_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected a whole number")
+    number = int(value)
+    if number < 1:
+        raise ValueError("expected a whole number of at least 1")
+    return number
+
+
+def port(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected a port number")
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise ValueError("expected a port from 0 to 65535 (0 picks a free one)")
+    return number
+
+
+def text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("expected a string")
+    return value
+
+
+def one_of(*choices: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return str(value)
+
+    return check
+
+
+def existing_file(value: Any) -> str:
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ValueError(f"no readable file at {path}")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class Setting:
+    section: str
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    flag: str | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return f"DS_{self.section.upper()}__{self.name.upper()}"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("server", "host", text, "127.0.0.1", "address to listen on"),
+    Setting("server", "port", port, 4437, "TCP port to listen on (0 picks a free port)"),
+    Setting(
+        "server",
+        "long_poll_timeout",
+        seconds,
+        30.0,
+        "seconds a long-poll waits for data before answering 204",
+        aliases=("DS_SERVER__LONG_POLL_TIMEOUT_SECS",),
+    ),
+    Setting(
+        "server",
+        "sse_close_after",
+        seconds,
+        60.0,
+        "seconds after which an SSE response ends so clients reconnect (CDN collapsing)",
+        aliases=("DS_SERVER__SSE_RECONNECT_INTERVAL_SECS",),
+    ),
+    Setting(
+        "server",
+        "shutdown_grace",
+        seconds,
+        10.0,
+        "seconds in-flight requests get to finish on SIGTERM/SIGINT",
+    ),
+    Setting(
+        "server",
+        "hibernate_after",
+        seconds,
+        30.0,
+        "seconds a stream's actor stays in memory with no requests and no live readers",
+    ),
+    Setting(
+        "server",
+        "mailbox_size",
+        positive_int,
+        64,
+        "messages queued per stream actor before senders wait (backpressure)",
+    ),
+    Setting("server", "backlog", positive_int, 1024, "listen backlog of the server socket"),
+    Setting(
+        "server",
+        "h2_max_concurrent_streams",
+        positive_int,
+        1000,
+        "HTTP/2 streams one connection may have open at once",
+    ),
+    Setting("http", "cors_origin", text, "*", "value of Access-Control-Allow-Origin"),
+    Setting(
+        "http",
+        "cache_visibility",
+        one_of("public", "private"),
+        "public",
+        "Cache-Control visibility of catch-up reads: public for shared streams, private otherwise",
+    ),
+    Setting(
+        "limits",
+        "max_body_bytes",
+        byte_size,
+        64 << 20,
+        "largest request body; larger ones get 413 before they are buffered",
+    ),
+    Setting("limits", "max_stream_bytes", byte_size, 1 << 30, "most bytes one stream may hold"),
+    Setting("limits", "max_total_bytes", byte_size, 4 << 30, "most bytes all streams together may hold"),
+    Setting("limits", "read_chunk_bytes", byte_size, 1 << 20, "largest body one read returns"),
+    Setting("limits", "body_timeout", seconds, 300.0, "seconds a client may take to send one request body"),
+    Setting(
+        "storage",
+        "mode",
+        one_of("memory"),
+        "memory",
+        "where streams live: memory (disk storage arrives with the segment store)",
+    ),
+    Setting(
+        "tls",
+        "cert",
+        existing_file,
+        None,
+        "PEM certificate; serves HTTPS with ALPN h2",
+        flag="--tls-cert",
+        aliases=("DS_TLS__CERT_PATH",),
+    ),
+    Setting(
+        "tls",
+        "key",
+        existing_file,
+        None,
+        "PEM private key for --tls-cert",
+        flag="--tls-key",
+        aliases=("DS_TLS__KEY_PATH",),
+    ),
+    Setting(
+        "log", "level", one_of("debug", "info", "warning", "error"), "info", "log level", flag="--log-level"
+    ),
+)
+
+
+def _apply(values: dict[tuple[str, str], Any], setting: Setting, raw: Any, origin: str) -> None:
+    try:
+        values[(setting.section, setting.name)] = setting.parse(raw)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{setting.section}.{setting.name} from {origin}: {raw!r}: {error}") from None
+
+
+def load(
+    config_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+) -> SimpleNamespace:
+    """Effective settings as `settings.server.port` etc.; raises ConfigError naming the setting."""
+    values: dict[tuple[str, str], Any] = {(s.section, s.name): s.default for s in SETTINGS}
+    by_key = {(s.section, s.name): s for s in SETTINGS}
+    if config_file:
+        path = Path(config_file)
+        try:
+            document = tomllib.loads(path.read_text())
+        except OSError as error:
+            raise ConfigError(f"--config {path}: cannot read it: {error.strerror}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"--config {path}: not valid TOML: {error}") from None
+        for section, table in document.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+            for name, raw in table.items():
+                setting = by_key.get((section, name))
+                if setting is None:
+                    raise ConfigError(f"{path}: unknown setting [{section}] {name}")
+                _apply(values, setting, raw, str(path))
+    environment = os.environ if env is None else env
+    for setting in SETTINGS:
+        for variable in (*setting.aliases, setting.env_var):
+            if variable in environment:
+                _apply(values, setting, environment[variable], f"${variable}")
+    for key, raw in (cli or {}).items():
+        if raw is not None:
+            setting = next(s for s in SETTINGS if s.name == key or f"{s.section}_{s.name}" == key)
+            _apply(values, setting, raw, setting.cli_flag)
+    if (values[("tls", "cert")] is None) != (values[("tls", "key")] is None):
+        raise ConfigError("tls.cert and tls.key go together: give both (--tls-cert and --tls-key) or neither")
+    sections: dict[str, dict[str, Any]] = {}
+    for (section, name), value in values.items():
+        sections.setdefault(section, {})[name] = value
+    return SimpleNamespace(**{section: SimpleNamespace(**items) for section, items in sections.items()})
+
+
+def cli_dest(setting: Setting) -> str:
+    return setting.name if setting.flag is None else f"{setting.section}_{setting.name}"

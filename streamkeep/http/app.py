@@ -1,0 +1,95 @@
+"""quart-trio adapter: HTTP request -> `protocol.model.Request` -> Service -> HTTP response.
+
+The whole data plane runs in one `before_request` hook, so Quart's router never rewrites stream
+paths (no slash merging or redirects) and routing stays in the framework-free core.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import trio
+from quart import Response as QuartResponse
+from quart import request
+from quart_trio import QuartTrio
+
+from streamkeep.protocol import responses
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.model import Headers, Request, Response
+from streamkeep.service import Service
+
+
+class BodyRejected(Exception):
+    def __init__(self, error: ProtocolError) -> None:
+        self.error = error
+
+
+def create_app(service: Service, *, max_body_bytes: int, body_timeout: float) -> QuartTrio:
+    app = QuartTrio("streamkeep")
+    # Our own limits replace Quart's: its 16 MiB cap and 60 s body/response timeouts would cut
+    # large appends and every SSE or long-poll response.
+    app.config.update(MAX_CONTENT_LENGTH=None, BODY_TIMEOUT=None, RESPONSE_TIMEOUT=None)
+
+    @app.before_request
+    async def data_plane() -> QuartResponse:
+        try:
+            body = await _read_body(max_body_bytes, body_timeout)
+        except BodyRejected as rejected:
+            response = responses.error(rejected.error)
+            response.headers.append(("Connection", "close"))
+            response.headers.extend(responses.common_headers(service.options.cors_origin))
+            return _to_quart(response)
+        raw_path = request.scope.get("raw_path")
+        core = Request(
+            method=request.method,
+            raw_path=raw_path.decode("latin-1") if raw_path else quote(request.path),
+            query_string=request.scope.get("query_string", b"").decode("latin-1"),
+            headers=Headers(list(request.headers.items())),
+            body=body,
+            scheme=request.scheme,
+            http_version=request.http_version,
+        )
+        return _to_quart(await service.handle(core))
+
+    return app
+
+
+async def _read_body(limit: int, timeout: float) -> bytes:
+    if request.method in ("GET", "HEAD", "OPTIONS", "DELETE") and not request.content_length:
+        return b""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BodyRejected(_too_large(limit))
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        with trio.fail_after(timeout):
+            async for chunk in request.body:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyRejected(_too_large(limit))
+                chunks.append(chunk)
+    except trio.TooSlowError:
+        raise BodyRejected(
+            ProtocolError(408, "body_timeout", f"the request body took longer than {timeout:g} s to arrive")
+        ) from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ProtocolError:
+    return ProtocolError(
+        413, "body_too_large", f"request bodies may be at most {limit} bytes; split the append"
+    )
+
+
+def _to_quart(response: Response) -> QuartResponse:
+    body = response.stream if response.stream is not None else response.body
+    out = QuartResponse(body, status=response.status)
+    del out.headers["Content-Type"]
+    for name, value in response.headers:
+        out.headers.add(name, value)
+    if response.stream is not None:
+        out.timeout = None
+    elif response.status in (204, 304):
+        del out.headers["Content-Length"]
+    return out

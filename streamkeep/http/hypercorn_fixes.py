@@ -1,0 +1,66 @@
+"""Two guards around hypercorn 0.18 so that no client can take the server down.
+
+1. HTTP/2 DATA for a stream whose response already went out (we answered 413 before the body
+   finished) raises KeyError in `H2Protocol._handle_events` (hypercorn issues #161/#197; PR #365
+   unmerged). The error escapes the connection task and ends the whole trio worker. We drop such
+   DATA but still return its flow-control credit, so the connection keeps working.
+2. Any other exception inside one connection is logged and ends that connection only, instead of
+   propagating into the server nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import h2.events
+import h2.exceptions
+from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.trio.tcp_server import TCPServer
+
+log = logging.getLogger(__name__)
+_applied = False
+
+
+def apply() -> None:
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    original_handle_events = H2Protocol._handle_events
+    original_run = TCPServer.run
+
+    async def handle_events(self: H2Protocol, events: list[h2.events.Event]) -> None:
+        # One event at a time: a batch can hold a stream's HEADERS and then its DATA, and the
+        # stream only exists after the HEADERS are handled.
+        dropped = False
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                _discard(self, event)
+                dropped = True
+                continue
+            await original_handle_events(self, [event])
+        if dropped:
+            await self._flush()  # send the WINDOW_UPDATE now, or the client stalls
+
+    async def guarded_run(self: TCPServer) -> None:
+        try:
+            await original_run(self)
+        except Exception:
+            log.exception("a connection failed inside hypercorn; closing it and serving on")
+            try:
+                await self.stream.aclose()
+            except Exception:
+                pass
+
+    H2Protocol._handle_events = handle_events  # type: ignore[method-assign]
+    TCPServer.run = guarded_run  # type: ignore[method-assign]
+
+
+def _discard(protocol: H2Protocol, event: h2.events.DataReceived) -> None:
+    """Drop DATA for an answered stream but grant its credit: clients such as httpx send the
+    whole body before reading the answer, and stall if the window never reopens. (Resetting the
+    stream with NO_ERROR, as RFC 9113 allows, leaves httpx hanging, so we drain instead.)"""
+    try:
+        protocol.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+    except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        pass

@@ -1,0 +1,91 @@
+"""Runs the service under hypercorn's trio worker: HTTP/1.1, h2c (prior knowledge), TLS with h2."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import SimpleNamespace
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.http import hypercorn_fixes
+from streamkeep.http.app import create_app
+from streamkeep.service import Service, ServiceOptions
+from streamkeep.storage.memory import MemoryStorage
+
+log = logging.getLogger("streamkeep")
+
+
+def hypercorn_config(settings: SimpleNamespace) -> Config:
+    server = settings.server
+    config = Config()
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    config.bind = [f"{host}:{server.port}"]
+    config.backlog = server.backlog
+    # hypercorn closes a keep-alive connection after 1,000 requests by default; a busy producer
+    # or an HTTP/2 client multiplexing thousands of appends should not be cut off.
+    config.keep_alive_max_requests = 1 << 62
+    config.h2_max_concurrent_streams = server.h2_max_concurrent_streams
+    config.graceful_timeout = server.shutdown_grace
+    config.include_server_header = False
+    config.accesslog = None
+    if settings.tls.cert:
+        config.certfile = settings.tls.cert
+        config.keyfile = settings.tls.key
+        config.alpn_protocols = ["h2", "http/1.1"]
+    return config
+
+
+def build_service(settings: SimpleNamespace, nursery: trio.Nursery) -> Service:
+    limits = settings.limits
+    storage = MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes)
+    supervisor = Supervisor(
+        storage,
+        nursery,
+        mailbox_size=settings.server.mailbox_size,
+        hibernate_after=settings.server.hibernate_after,
+    )
+    options = ServiceOptions(
+        long_poll_timeout=settings.server.long_poll_timeout,
+        sse_close_after=settings.server.sse_close_after,
+        read_chunk_bytes=limits.read_chunk_bytes,
+        cors_origin=settings.http.cors_origin,
+        cache_visibility=settings.http.cache_visibility,
+    )
+    return Service(supervisor, options)
+
+
+async def serve(settings: SimpleNamespace) -> None:
+    hypercorn_fixes.apply()
+    async with trio.open_nursery() as nursery:
+        service = build_service(settings, nursery)
+        nursery.start_soon(service.sweep_expired)
+        app = create_app(
+            service, max_body_bytes=settings.limits.max_body_bytes, body_timeout=settings.limits.body_timeout
+        )
+
+        async def shutdown_trigger() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("%s: ending live reads, finishing requests", signal.Signals(signum).name)
+                    service.begin_shutdown()
+                    return
+
+        async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            config = hypercorn_config(settings)
+            await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+            # hypercorn returns once in-flight requests finished (or the grace period ran out).
+            nursery.cancel_scope.cancel()
+
+        binds = await nursery.start(run_http)
+        for bind in binds:
+            # Tests and scripts read this line to find the port when started with --port 0.
+            print(f"streamkeep listening on {bind}", flush=True)
+        log.info("storage: %s", settings.storage.mode)
+
+
+def run(settings: SimpleNamespace) -> None:
+    trio.run(serve, settings)

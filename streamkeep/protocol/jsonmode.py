@@ -1,0 +1,35 @@
+"""JSON mode (§9.1): message boundaries, one level of array flattening, validation, rendering."""
+
+from __future__ import annotations
+
+import json
+
+from streamkeep.protocol.errors import bad_request
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+_decoder = json.JSONDecoder(parse_constant=_reject_constant)
+_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def split_messages(body: bytes, *, allow_empty_array: bool) -> list[bytes]:
+    """The messages one request body stores: each element of a top-level array, else the value."""
+    try:
+        text = body.decode("utf-8")
+        value = _decoder.decode(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise bad_request("invalid_json", f"body is not valid JSON: {error}") from None
+    if isinstance(value, list):
+        if not value and not allow_empty_array:
+            raise bad_request(
+                "empty_json_array", "an empty JSON array appends nothing; send at least one message"
+            )
+        return [_encoder.encode(item).encode() for item in value]
+    return [_encoder.encode(value).encode()]
+
+
+def render_array(messages: list[bytes]) -> bytes:
+    return b"[" + b",".join(messages) + b"]"

@@ -1,0 +1,65 @@
+"""Plain values that cross the boundary between the HTTP edge, the service and the actors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs
+
+
+class Headers:
+    """Case-insensitive request headers; a repeated header keeps its values joined by ', '."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, pairs: list[tuple[str, str]] | None = None) -> None:
+        self._values: dict[str, str] = {}
+        for name, value in pairs or []:
+            key = name.lower()
+            if key in self._values:
+                self._values[key] = f"{self._values[key]}, {value}"
+            else:
+                self._values[key] = value
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self._values.get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._values
+
+
+@dataclass
+class Request:
+    method: str
+    raw_path: str
+    query_string: str = ""
+    headers: Headers = field(default_factory=Headers)
+    body: bytes = b""
+    scheme: str = "http"
+    http_version: str = "1.1"
+
+    def query(self, name: str) -> list[str]:
+        return self._query().get(name, [])
+
+    def _query(self) -> dict[str, list[str]]:
+        cached = getattr(self, "_parsed_query", None)
+        if cached is None:
+            cached = parse_qs(self.query_string, keep_blank_values=True)
+            object.__setattr__(self, "_parsed_query", cached)
+        return cached
+
+
+@dataclass
+class Response:
+    status: int
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: bytes = b""
+    # Set for streaming responses (SSE); the edge sends each chunk as it comes.
+    stream: AsyncIterator[bytes] | None = None
+
+    def header(self, name: str) -> str | None:
+        lowered = name.lower()
+        for key, value in self.headers:
+            if key.lower() == lowered:
+                return value
+        return None

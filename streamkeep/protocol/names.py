@@ -1,0 +1,55 @@
+"""Stream names: what may follow `/v1/stream/` in a URL.
+
+Names may be hierarchical (`a/b/c`) but can never climb out of a directory once they become file
+names: no empty, `.` or `..` segments, no control characters or backslashes, bounded length.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+from streamkeep.protocol.errors import ProtocolError, bad_request
+
+STREAM_PREFIX = "/v1/stream/"
+RESERVED_SEGMENT = "__ds"
+MAX_NAME_BYTES = 1024
+MAX_SEGMENT_BYTES = 255
+_BROKEN_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def parse_stream_name(raw_path: str) -> str:
+    """The stream name of a raw (still percent-encoded) request path under STREAM_PREFIX."""
+    encoded = raw_path[len(STREAM_PREFIX) :]
+    if _BROKEN_ESCAPE.search(encoded):
+        raise bad_request("invalid_stream_name", "stream name has a '%' that is not a %XX escape")
+    try:
+        name = unquote(encoded, encoding="utf-8", errors="strict")
+    except UnicodeDecodeError:
+        raise bad_request("invalid_stream_name", "stream name is not valid UTF-8") from None
+    check_stream_name(name)
+    return name
+
+
+def check_stream_name(name: str) -> None:
+    if not name:
+        raise bad_request("invalid_stream_name", "stream name is empty")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise bad_request("invalid_stream_name", f"stream name is longer than {MAX_NAME_BYTES} bytes")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F or c == "\\" for c in name):
+        raise bad_request("invalid_stream_name", "stream name contains a control character or backslash")
+    segments = name.split("/")
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            raise bad_request(
+                "invalid_stream_name",
+                "stream name has an empty, '.' or '..' segment; use names like 'a/b/c'",
+            )
+        if len(segment.encode()) > MAX_SEGMENT_BYTES:
+            raise bad_request(
+                "invalid_stream_name", f"a stream name segment is longer than {MAX_SEGMENT_BYTES} bytes"
+            )
+    if segments[0] == RESERVED_SEGMENT:
+        raise ProtocolError(
+            404, "reserved_path", f"paths under {STREAM_PREFIX}{RESERVED_SEGMENT}/ are reserved"
+        )

@@ -1,0 +1,120 @@
+"""Responses of the protocol: status, headers (ETag, caching, cursors) and bodies, from snapshots."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+from streamkeep.protocol import jsonmode
+from streamkeep.protocol.cursor import response_cursor
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.headers import is_text
+from streamkeep.protocol.model import Response
+from streamkeep.protocol.offsets import encode
+from streamkeep.protocol.stream import StreamMeta
+
+NO_STORE = "no-store"
+CORS_ALLOW_METHODS = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
+CORS_ALLOW_HEADERS = (
+    "Content-Type, Authorization, If-None-Match, Stream-Seq, Stream-TTL, Stream-Expires-At, "
+    "Stream-Closed, Producer-Id, Producer-Epoch, Producer-Seq, Stream-Forked-From, "
+    "Stream-Fork-Offset, Stream-Fork-Sub-Offset, Last-Event-ID"
+)
+CORS_EXPOSE_HEADERS = (
+    "Stream-Next-Offset, Stream-Cursor, Stream-Up-To-Date, Stream-Closed, Stream-TTL, "
+    "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
+    "Producer-Expected-Seq, Producer-Received-Seq, ETag, Location, Content-Type, Retry-After"
+)
+
+
+def common_headers(cors_origin: str) -> list[tuple[str, str]]:
+    """On every response: CORS and the browser-safety headers of §12.7."""
+    return [
+        ("Access-Control-Allow-Origin", cors_origin),
+        ("Access-Control-Expose-Headers", CORS_EXPOSE_HEADERS),
+        ("X-Content-Type-Options", "nosniff"),
+        ("Cross-Origin-Resource-Policy", "cross-origin"),
+    ]
+
+
+def preflight() -> Response:
+    return Response(
+        204,
+        [
+            ("Access-Control-Allow-Methods", CORS_ALLOW_METHODS),
+            ("Access-Control-Allow-Headers", CORS_ALLOW_HEADERS),
+            ("Access-Control-Max-Age", "86400"),
+        ],
+    )
+
+
+def error(err: ProtocolError) -> Response:
+    body = json.dumps({"error": {"code": err.code, "message": err.message}}).encode()
+    return Response(err.status, [("Content-Type", "application/json"), *err.headers], body)
+
+
+def etag(meta: StreamMeta, start: int | str, end: int, closed_at_end: bool) -> str:
+    start_token = start if isinstance(start, str) else encode(start)
+    suffix = ":c" if closed_at_end else ""
+    return f'"{meta.stream_id}:{start_token}:{encode(end)}{suffix}"'
+
+
+def if_none_match_hits(header: str | None, tag: str) -> bool:
+    if not header:
+        return False
+    return any(candidate.strip() in (tag, f"W/{tag}", "*") for candidate in header.split(","))
+
+
+def stream_headers(meta: StreamMeta, tail: int) -> list[tuple[str, str]]:
+    out = [("Content-Type", meta.content_type), ("Stream-Next-Offset", encode(tail))]
+    if meta.closed:
+        out.append(("Stream-Closed", "true"))
+    return out
+
+
+def created(status: int, meta: StreamMeta, tail: int, location: str) -> Response:
+    headers = stream_headers(meta, tail)
+    if status == 201:
+        headers.append(("Location", location))
+    return Response(status, headers)
+
+
+def head(meta: StreamMeta, tail: int) -> Response:
+    headers = stream_headers(meta, tail)
+    headers.append(("Cache-Control", NO_STORE))
+    headers.append(("ETag", etag(meta, "-1", tail, meta.closed)))
+    if meta.ttl_seconds is not None:
+        headers.append(("Stream-TTL", str(meta.ttl_seconds)))
+    if meta.expires_at is not None:
+        headers.append(("Stream-Expires-At", meta.expires_at))
+    return Response(200, headers)
+
+
+def body_for(meta: StreamMeta, messages: list[bytes]) -> bytes:
+    if meta.json_mode:
+        return jsonmode.render_array(messages)
+    return b"".join(messages)
+
+
+def sse_uses_base64(meta: StreamMeta) -> bool:
+    return not is_text(meta.content_type)
+
+
+def encode_base64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+__all__ = [
+    "NO_STORE",
+    "body_for",
+    "common_headers",
+    "created",
+    "error",
+    "etag",
+    "head",
+    "if_none_match_hits",
+    "preflight",
+    "response_cursor",
+    "sse_uses_base64",
+    "stream_headers",
+]

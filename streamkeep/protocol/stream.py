@@ -1,0 +1,289 @@
+"""A stream's state and the pure rules that change it: create matching, appends, producers, TTL.
+
+The actor holds a `StreamMeta` and producer table, asks `plan_append` what an append means, writes
+the plan durably through storage, then applies it with `apply_append`. Nothing here awaits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from streamkeep.protocol import headers as h
+from streamkeep.protocol import jsonmode
+from streamkeep.protocol.errors import ProtocolError, bad_request, conflict
+from streamkeep.protocol.offsets import encode
+
+
+@dataclass(frozen=True)
+class ProducerState:
+    epoch: int
+    last_seq: int
+
+
+@dataclass(frozen=True)
+class ProducerMark:
+    """The (id, epoch, seq) of the append that closed a stream, to recognise its retries."""
+
+    producer_id: str
+    epoch: int
+    seq: int
+
+
+@dataclass
+class StreamMeta:
+    name: str
+    stream_id: str
+    content_type: str
+    created_at: float
+    ttl_seconds: int | None = None
+    expires_at: str | None = None
+    expires_at_ts: float | None = None
+    closed: bool = False
+    closed_by: ProducerMark | None = None
+    last_stream_seq: str | None = None
+    # Sliding-TTL clock: the last read or write that reached the server.
+    last_access: float = 0.0
+
+    def expired(self, now: float) -> bool:
+        if self.expires_at_ts is not None and now >= self.expires_at_ts:
+            return True
+        return self.ttl_seconds is not None and now >= self.last_access + self.ttl_seconds
+
+    @property
+    def json_mode(self) -> bool:
+        return h.is_json(self.content_type)
+
+
+@dataclass(frozen=True)
+class CreateSpec:
+    content_type: str
+    ttl_seconds: int | None
+    expires_at: tuple[str, float] | None
+    closed: bool
+    messages: list[bytes]
+
+    @classmethod
+    def from_request(cls, headers: h.Headers, body: bytes) -> CreateSpec:
+        content_type = h.content_type_for_create(headers)
+        ttl = h.ttl_seconds(headers)
+        expires = h.expires_at(headers)
+        if ttl is not None and expires is not None:
+            raise bad_request("ttl_and_expires_at", "send Stream-TTL or Stream-Expires-At, not both")
+        if not body:
+            messages: list[bytes] = []
+        elif h.is_json(content_type):
+            messages = jsonmode.split_messages(body, allow_empty_array=True)
+        else:
+            messages = [body]
+        return cls(content_type, ttl, expires, h.closed_flag(headers), messages)
+
+    def new_meta(self, name: str, stream_id: str, now: float) -> StreamMeta:
+        return StreamMeta(
+            name=name,
+            stream_id=stream_id,
+            content_type=self.content_type,
+            created_at=now,
+            ttl_seconds=self.ttl_seconds,
+            expires_at=self.expires_at[0] if self.expires_at else None,
+            expires_at_ts=self.expires_at[1] if self.expires_at else None,
+            closed=self.closed,
+            last_access=now,
+        )
+
+    def matches(self, meta: StreamMeta) -> bool:
+        """Idempotent PUT: same content type, TTL/expiry and closure status (§5.1)."""
+        return (
+            h.media_type(self.content_type) == h.media_type(meta.content_type)
+            and self.ttl_seconds == meta.ttl_seconds
+            and (self.expires_at[1] if self.expires_at else None) == meta.expires_at_ts
+            and self.closed == meta.closed
+        )
+
+
+@dataclass(frozen=True)
+class AppendSpec:
+    content_type: str | None
+    body: bytes
+    close: bool
+    producer: h.ProducerHeaders | None
+    stream_seq: str | None
+
+    @classmethod
+    def from_request(cls, headers: h.Headers, body: bytes) -> AppendSpec:
+        spec = cls(
+            content_type=h.content_type_for_append(headers),
+            body=body,
+            close=h.closed_flag(headers),
+            producer=h.producer(headers),
+            stream_seq=headers.get("stream-seq"),
+        )
+        if not body and not spec.close:
+            raise bad_request(
+                "empty_body", "an append needs a body; send Stream-Closed: true to close instead"
+            )
+        return spec
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """What an accepted append writes, all in one durable step."""
+
+    messages: list[bytes]
+    close: bool
+    producer_id: str | None = None
+    producer_state: ProducerState | None = None
+    stream_seq: str | None = None
+
+
+@dataclass(frozen=True)
+class AppendOutcome:
+    """The reply to an append that was accepted, deduplicated or was a close-only."""
+
+    status: int
+    next_offset: int
+    closed: bool
+    producer_epoch: int | None = None
+    producer_seq: int | None = None
+
+    def headers(self) -> list[tuple[str, str]]:
+        out = [("Stream-Next-Offset", encode(self.next_offset))]
+        if self.closed:
+            out.append(("Stream-Closed", "true"))
+        if self.producer_epoch is not None:
+            out.append(("Producer-Epoch", str(self.producer_epoch)))
+            out.append(("Producer-Seq", str(self.producer_seq)))
+        return out
+
+
+@dataclass
+class StreamState:
+    meta: StreamMeta
+    producers: dict[str, ProducerState] = field(default_factory=dict)
+    tail: int = 0
+
+
+def _closed_conflict(tail: int) -> ProtocolError:
+    return conflict(
+        "stream_closed",
+        "the stream is closed and accepts no more appends",
+        [("Stream-Closed", "true"), ("Stream-Next-Offset", encode(tail))],
+    )
+
+
+def _check_producer(state: StreamState, producer: h.ProducerHeaders) -> ProducerState | None:
+    """The producer's next state, or None for a duplicate; raises for stale, gapped or bad seqs."""
+    current = state.producers.get(producer.producer_id)
+    if current is None or producer.epoch > current.epoch:
+        if producer.seq != 0:
+            if current is None:
+                raise conflict(
+                    "producer_sequence_gap",
+                    f"producer {producer.producer_id!r} is new here; its first Producer-Seq must be 0",
+                    [("Producer-Expected-Seq", "0"), ("Producer-Received-Seq", str(producer.seq))],
+                )
+            raise bad_request("producer_epoch_seq", "a new Producer-Epoch must start at Producer-Seq 0")
+        return ProducerState(producer.epoch, 0)
+    if producer.epoch < current.epoch:
+        raise ProtocolError(
+            403,
+            "stale_producer_epoch",
+            f"producer epoch {producer.epoch} is older than {current.epoch}; this producer is fenced",
+            [("Producer-Epoch", str(current.epoch))],
+        )
+    if producer.seq <= current.last_seq:
+        return None
+    if producer.seq == current.last_seq + 1:
+        return ProducerState(current.epoch, producer.seq)
+    raise conflict(
+        "producer_sequence_gap",
+        f"expected Producer-Seq {current.last_seq + 1}, got {producer.seq}",
+        [
+            ("Producer-Expected-Seq", str(current.last_seq + 1)),
+            ("Producer-Received-Seq", str(producer.seq)),
+        ],
+    )
+
+
+def plan_append(state: StreamState, spec: AppendSpec) -> AppendPlan | AppendOutcome:
+    """Decide an append: a plan to write, or an outcome that writes nothing. Raises for errors.
+
+    Precedence follows §5.2: a closed stream first, then content type, then sequences.
+    """
+    meta = state.meta
+    producer = spec.producer
+    if meta.closed:
+        mark = meta.closed_by
+        if (
+            producer is not None
+            and mark is not None
+            and (mark.producer_id, mark.epoch, mark.seq)
+            == (producer.producer_id, producer.epoch, producer.seq)
+        ):
+            return AppendOutcome(204, state.tail, True, producer.epoch, producer.seq)
+        if not spec.body and producer is None:
+            return AppendOutcome(204, state.tail, True)
+        raise _closed_conflict(state.tail)
+
+    if spec.body:
+        if spec.content_type is None:
+            raise bad_request("missing_content_type", "an append with a body needs a Content-Type")
+        if h.media_type(spec.content_type) != h.media_type(meta.content_type):
+            raise conflict(
+                "content_type_mismatch",
+                f"stream holds {meta.content_type!r}, the append is {spec.content_type!r}",
+            )
+
+    next_producer: ProducerState | None = None
+    if producer is not None:
+        next_producer = _check_producer(state, producer)
+        if next_producer is None:
+            last = state.producers[producer.producer_id].last_seq
+            return AppendOutcome(204, state.tail, False, producer.epoch, last)
+
+    if spec.stream_seq is not None and meta.last_stream_seq is not None:
+        if spec.stream_seq.encode() <= meta.last_stream_seq.encode():
+            raise conflict(
+                "stream_seq_regression",
+                f"Stream-Seq {spec.stream_seq[:80]!r} is not greater than the last one",
+            )
+
+    if not spec.body:
+        messages: list[bytes] = []
+    elif meta.json_mode:
+        messages = jsonmode.split_messages(spec.body, allow_empty_array=False)
+    else:
+        messages = [spec.body]
+    return AppendPlan(
+        messages=messages,
+        close=spec.close,
+        producer_id=producer.producer_id if producer else None,
+        producer_state=next_producer,
+        stream_seq=spec.stream_seq,
+    )
+
+
+def apply_append(state: StreamState, plan: AppendPlan, new_tail: int) -> AppendOutcome:
+    """Record a plan that storage has made durable; returns the reply."""
+    meta = state.meta
+    state.tail = new_tail
+    if plan.producer_id is not None and plan.producer_state is not None:
+        state.producers[plan.producer_id] = plan.producer_state
+    if plan.stream_seq is not None:
+        meta.last_stream_seq = plan.stream_seq
+    if plan.close:
+        meta.closed = True
+        if plan.producer_id is not None and plan.producer_state is not None:
+            meta.closed_by = ProducerMark(
+                plan.producer_id, plan.producer_state.epoch, plan.producer_state.last_seq
+            )
+    if plan.producer_state is not None:
+        # 200 marks new data from a producer; a producer's close-only stores none, so 204.
+        status = 200 if plan.messages else 204
+        return AppendOutcome(
+            status, new_tail, meta.closed, plan.producer_state.epoch, plan.producer_state.last_seq
+        )
+    return AppendOutcome(204, new_tail, meta.closed)
+
+
+def copy_meta(meta: StreamMeta) -> StreamMeta:
+    return replace(meta)

@@ -1,0 +1,59 @@
+"""Fixtures: real `streamkeep serve` processes on free loopback ports, and httpx clients for them."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ops.run_conformance import make_certificates
+from ops.serverproc import ServerProcess, start
+
+FAST = [
+    "--long-poll-timeout",
+    "1",
+    "--sse-close-after",
+    "5",
+    "--max-body-bytes",
+    "1MiB",
+    "--body-timeout",
+    "2",
+]
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    process = start(*FAST)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    ca, cert, key = make_certificates(tmp_path_factory.mktemp("tls"))
+    process = start(*FAST, "--tls-cert", str(cert), "--tls-key", str(key))
+    yield process, ca
+    process.stop()
+
+
+@pytest.fixture(params=["http/1.1", "h2c"])
+def client(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client over HTTP/1.1, and the same over HTTP/2 with prior knowledge (h2c)."""
+    h2 = request.param == "h2c"
+    with httpx.Client(base_url=server.url, http1=not h2, http2=h2, timeout=10) as c:
+        yield c
+
+
+@pytest.fixture
+def stream_url() -> str:
+    return f"/v1/stream/test-{next(_names)}-{id(object())}"
+
+
+def assert_alive(server: ServerProcess) -> None:
+    assert server.alive, "server died:\n" + "".join(server.output[-50:])
+    response = httpx.get(f"{server.url}/healthz", timeout=5)
+    assert response.status_code == 200 and response.text == "ok"

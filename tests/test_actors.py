@@ -1,0 +1,119 @@
+"""Actor lifecycle: spawn on demand, hibernate when idle, revive intact, bounded mailboxes."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.model import Headers
+from streamkeep.protocol.stream import AppendSpec, CreateSpec
+from streamkeep.storage.memory import MemoryLog, MemoryStorage
+
+
+def new_storage() -> MemoryStorage:
+    return MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22)
+
+
+def create_spec() -> CreateSpec:
+    return CreateSpec.from_request(Headers([("Content-Type", "text/plain")]), b"")
+
+
+def append(body: bytes) -> AppendSpec:
+    return AppendSpec.from_request(Headers([("Content-Type", "text/plain")]), body)
+
+
+async def test_idle_actor_hibernates_and_revives_with_its_data(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, hibernate_after=5)
+        await supervisor.call("s", "create", create_spec(), must_exist=False)
+        await supervisor.call("s", "append", append(b"hello"))
+        assert supervisor.active == 1
+        await trio.sleep(6)
+        assert supervisor.active == 0, "idle actor should have hibernated"
+        view = await supervisor.call("s", "read", "-1", 1024, True)
+        assert view.messages == [b"hello"]
+        assert supervisor.spawned == 2 and supervisor.active == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_live_reader_keeps_actor_awake(autojump_clock: trio.testing.MockClock) -> None:
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, hibernate_after=1)
+        await supervisor.call("s", "create", create_spec(), must_exist=False)
+        with supervisor.live_reader("s"):
+            await trio.sleep(10)
+            assert supervisor.active == 1
+        await trio.sleep(2)
+        assert supervisor.active == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_missing_stream_spawns_no_actor() -> None:
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery)
+        for i in range(100):
+            try:
+                await supervisor.call(f"nope-{i}", "head")
+            except ProtocolError as error:
+                assert error.status == 404
+        assert supervisor.spawned == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_concurrent_appends_are_serialised() -> None:
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, mailbox_size=8)
+        await supervisor.call("s", "create", create_spec(), must_exist=False)
+        next_offsets: list[int] = []
+
+        async def one(i: int) -> None:
+            outcome = await supervisor.call("s", "append", append(b"%03d" % i))
+            next_offsets.append(outcome.next_offset)
+
+        async with trio.open_nursery() as writers:
+            for i in range(200):
+                writers.start_soon(one, i)
+        assert sorted(next_offsets) == [3 * (i + 1) for i in range(200)]
+        view = await supervisor.call("s", "read", "-1", 1 << 20, True)
+        assert sorted(view.messages) == [b"%03d" % i for i in range(200)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A flood of appends queues at most `mailbox_size` messages; the rest wait in their senders."""
+    gate = trio.Event()
+    original = MemoryLog.append
+
+    async def slow_append(self, *args):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        return await original(self, *args)
+
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, mailbox_size=4)
+        await supervisor.call("s", "create", create_spec(), must_exist=False)
+        monkeypatch.setattr(MemoryLog, "append", slow_append)
+        done = 0
+
+        async def one() -> None:
+            nonlocal done
+            await supervisor.call("s", "append", append(b"x"))
+            done += 1
+
+        async with trio.open_nursery() as writers:
+            for _ in range(20):
+                writers.start_soon(one)
+            await trio.testing.wait_all_tasks_blocked()
+            actor = supervisor.actor("s", must_exist=True)
+            stats = actor._send.statistics()
+            assert stats.current_buffer_used == 4  # one more is in the actor's hands
+            assert stats.tasks_waiting_send == 20 - 4 - 1
+            assert done == 0
+            gate.set()
+        assert done == 20
+        view = await supervisor.call("s", "head")
+        assert view.tail == 20
+        nursery.cancel_scope.cancel()
