@@ -187,3 +187,10 @@ def test_h2_body_after_early_answer_does_not_crash(server: ServerProcess, tmp_pa
 
 def test_no_request_above_ever_logged_a_traceback(server: ServerProcess) -> None:
     assert "Traceback" not in "".join(server.output)
+
+
+def test_http11_status_lines_carry_reason_phrases(server: ServerProcess) -> None:
+    reply = raw_exchange(server, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_line(reply) == "HTTP/1.1 200 OK"
+    reply = raw_exchange(server, b"GET /v1/stream/absent HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_line(reply) == "HTTP/1.1 404 Not Found"

@@ -6,14 +6,19 @@
    DATA but still return its flow-control credit, so the connection keeps working.
 2. Any other exception inside one connection is logged and ends that connection only, instead of
    propagating into the server nursery.
+3. HTTP/1.1 status lines get their reason phrase (`204 No Content`, not `204 `): legal without it,
+   but h2load's HTTP/1.1 mode counted every such response as failed, and other clients may too.
 """
 
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 
 import h2.events
 import h2.exceptions
+import h11
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -28,6 +33,7 @@ def apply() -> None:
     _applied = True
     original_handle_events = H2Protocol._handle_events
     original_run = TCPServer.run
+    original_send_h11_event = H11Protocol._send_h11_event
 
     async def handle_events(self: H2Protocol, events: list[h2.events.Event]) -> None:
         # One event at a time: a batch can hold a stream's HEADERS and then its DATA, and the
@@ -52,6 +58,14 @@ def apply() -> None:
             except Exception:
                 pass
 
+    async def send_h11_event_with_reason(self: H11Protocol, event: h11.Event) -> None:
+        if isinstance(event, h11.Response | h11.InformationalResponse) and not event.reason:
+            event = type(event)(
+                status_code=event.status_code, headers=event.headers, reason=_reason(event.status_code)
+            )
+        await original_send_h11_event(self, event)
+
+    H11Protocol._send_h11_event = send_h11_event_with_reason  # type: ignore[method-assign]
     H2Protocol._handle_events = handle_events  # type: ignore[method-assign]
     TCPServer.run = guarded_run  # type: ignore[method-assign]
 
@@ -64,3 +78,10 @@ def _discard(protocol: H2Protocol, event: h2.events.DataReceived) -> None:
         protocol.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
     except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
         pass
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
