@@ -18,8 +18,8 @@ from http import HTTPStatus
 import h2.events
 import h2.exceptions
 import h11
-from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 log = logging.getLogger(__name__)
