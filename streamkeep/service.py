@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import trio
 
-from streamkeep.actors.stream_actor import ReadView
+from streamkeep.actors.stream_actor import StreamView
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol import offsets, responses, sse
 from streamkeep.protocol.cursor import response_cursor
@@ -29,6 +29,20 @@ log = logging.getLogger(__name__)
 
 CATCH_UP_CACHE = "public, max-age=60, stale-while-revalidate=300"
 STREAM_METHODS = "GET, HEAD, PUT, POST, DELETE, OPTIONS"
+
+
+@dataclass(frozen=True)
+class ReadView:
+    view: StreamView
+    start: int
+    messages: list[bytes]
+    next_position: int
+    # Fires at the stream's next published change: what live readers wait on.
+    changed: trio.Event
+
+    @property
+    def at_tail(self) -> bool:
+        return self.next_position >= self.view.tail
 
 
 @dataclass(frozen=True)
@@ -121,7 +135,7 @@ class Service:
         storage = self.supervisor.storage
         body = {
             "streams": len(storage.names()),
-            "stored_bytes": getattr(storage, "total_bytes", None),
+            "stored_bytes": storage.budget.total_bytes,
             "actors_active": self.supervisor.active,
             "actors_spawned": self.supervisor.spawned,
             "requests_by_http_version": dict(self.requests_by_http_version),
@@ -143,7 +157,8 @@ class Service:
 
     async def _append(self, name: str, request: Request) -> Response:
         spec = AppendSpec.from_request(request.headers, request.body)
-        outcome = await self.supervisor.call(name, "append", spec)
+        pending = await self.supervisor.call(name, "append", spec)
+        outcome = await pending.wait()  # outside the actor: it sequences the next append meanwhile
         return Response(outcome.status, outcome.headers())
 
     # ---- reads ----------------------------------------------------------------------
@@ -166,7 +181,15 @@ class Service:
         return await self._catch_up(name, start if start is not None else "-1", request)
 
     async def _read_view(self, name: str, start: int | str, *, touch: bool = True) -> ReadView:
-        return await self.supervisor.call(name, "read", start, self.options.read_chunk_bytes, touch)
+        plan = await self.supervisor.call(name, "read", start, touch)
+        view = plan.view
+        if plan.start >= view.tail:
+            return ReadView(view, plan.start, [], view.tail, plan.changed)
+        # Published bytes never change, so they are read here, outside the actor.
+        result = await plan.log.read(
+            plan.start, self.options.read_chunk_bytes, whole_messages=view.meta.json_mode
+        )
+        return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)
 
     async def _catch_up(self, name: str, start: int | str, request: Request) -> Response:
         view = await self._read_view(name, start)

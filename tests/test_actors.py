@@ -5,11 +5,12 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from streamkeep.actors.stream_actor import StreamActor
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
-from streamkeep.storage.memory import MemoryLog, MemoryStorage
+from streamkeep.storage.memory import MemoryStorage
 
 
 def new_storage() -> MemoryStorage:
@@ -30,11 +31,12 @@ async def test_idle_actor_hibernates_and_revives_with_its_data(
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(new_storage(), nursery, hibernate_after=5)
         await supervisor.call("s", "create", create_spec(), must_exist=False)
-        await supervisor.call("s", "append", append(b"hello"))
+        await (await supervisor.call("s", "append", append(b"hello"))).wait()
         assert supervisor.active == 1
         await trio.sleep(6)
         assert supervisor.active == 0, "idle actor should have hibernated"
-        view = await supervisor.call("s", "read", "-1", 1024, True)
+        plan = await supervisor.call("s", "read", "-1", True)
+        view = await plan.log.read(0, 1024, whole_messages=False)
         assert view.messages == [b"hello"]
         assert supervisor.spawned == 2 and supervisor.active == 1
         nursery.cancel_scope.cancel()
@@ -71,14 +73,16 @@ async def test_concurrent_appends_are_serialised() -> None:
         next_offsets: list[int] = []
 
         async def one(i: int) -> None:
-            outcome = await supervisor.call("s", "append", append(b"%03d" % i))
+            pending = await supervisor.call("s", "append", append(b"%03d" % i))
+            outcome = await pending.wait()
             next_offsets.append(outcome.next_offset)
 
         async with trio.open_nursery() as writers:
             for i in range(200):
                 writers.start_soon(one, i)
         assert sorted(next_offsets) == [3 * (i + 1) for i in range(200)]
-        view = await supervisor.call("s", "read", "-1", 1 << 20, True)
+        plan = await supervisor.call("s", "read", "-1", True)
+        view = await plan.log.read(0, 1 << 20, whole_messages=False)
         assert sorted(view.messages) == [b"%03d" % i for i in range(200)]
         nursery.cancel_scope.cancel()
 
@@ -86,7 +90,7 @@ async def test_concurrent_appends_are_serialised() -> None:
 async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A flood of appends queues at most `mailbox_size` messages; the rest wait in their senders."""
     gate = trio.Event()
-    original = MemoryLog.append
+    original = StreamActor.append
 
     async def slow_append(self, *args):  # type: ignore[no-untyped-def]
         await gate.wait()
@@ -95,12 +99,12 @@ async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ig
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(new_storage(), nursery, mailbox_size=4)
         await supervisor.call("s", "create", create_spec(), must_exist=False)
-        monkeypatch.setattr(MemoryLog, "append", slow_append)
+        monkeypatch.setattr(StreamActor, "append", slow_append)
         done = 0
 
         async def one() -> None:
             nonlocal done
-            await supervisor.call("s", "append", append(b"x"))
+            await (await supervisor.call("s", "append", append(b"x"))).wait()
             done += 1
 
         async with trio.open_nursery() as writers:

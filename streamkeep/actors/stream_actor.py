@@ -9,7 +9,6 @@ after a quiet spell with no live readers; the supervisor starts a fresh one on t
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from streamkeep.actors.mailbox import ActorGone, Message, Reply
 from streamkeep.protocol import stream as rules
 from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
 from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, StreamMeta
-from streamkeep.storage.base import StorageFull, StreamLog
+from streamkeep.storage.base import AppendRecord, Commit, StorageFull, StorageUnavailable, StreamLog
 
 if TYPE_CHECKING:
     from streamkeep.actors.supervisor import Supervisor
@@ -33,24 +32,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StreamView:
-    """A stream's state at one moment, for building a response after the actor moved on."""
+    """A stream's published state at one moment, for a response built after the actor moved on."""
 
     meta: StreamMeta
     tail: int
 
 
 @dataclass(frozen=True)
-class ReadView:
+class ReadPlan:
+    """Where a read starts, against a snapshot; the service reads the bytes outside the actor."""
+
     view: StreamView
     start: int
-    messages: list[bytes]
-    next_position: int
-    # Fires at the stream's next change (append, close, delete): what live readers wait on.
+    log: StreamLog
+    # Fires at the stream's next published change (append, close, delete): what live readers wait on.
     changed: trio.Event
 
-    @property
-    def at_tail(self) -> bool:
-        return self.next_position >= self.view.tail
+
+@dataclass(frozen=True)
+class PendingAppend:
+    """An accepted append: the reply is `outcome` once `commit` is durable."""
+
+    commit: Commit
+    outcome: AppendOutcome
+
+    async def wait(self) -> AppendOutcome:
+        try:
+            await self.commit.wait()
+        except StorageUnavailable as error:
+            code = "storage_full" if error.status == 507 else "storage_unavailable"
+            headers = [("Retry-After", "1")] if error.status == 503 else []
+            raise ProtocolError(error.status, code, str(error), headers) from None
+        return self.outcome
 
 
 class StreamActor:
@@ -83,7 +96,7 @@ class StreamActor:
                 if message is not None:
                     await self._handle(message)
                     continue
-                if self.live_readers == 0 and self._receive.statistics().current_buffer_used == 0:
+                if self._can_hibernate():
                     # No checkpoint between this check and leaving the registry, so no message
                     # can slip into a mailbox that nobody will read.
                     self.alive = False
@@ -102,6 +115,12 @@ class StreamActor:
         else:
             message.reply.set(result)
 
+    def _can_hibernate(self) -> bool:
+        if self.live_readers or self._receive.statistics().current_buffer_used:
+            return False
+        stream_log = self._storage.open(self.name)
+        return stream_log is None or stream_log.pending == 0
+
     @contextmanager
     def live_reader(self) -> Iterator[None]:
         """Marks a long-poll or SSE reader, which keeps the actor from hibernating."""
@@ -118,7 +137,9 @@ class StreamActor:
         self._changed = trio.Event()
 
     def _view(self, stream_log: StreamLog) -> StreamView:
-        return StreamView(rules.copy_meta(stream_log.meta), stream_log.tail)
+        meta = rules.copy_meta(stream_log.meta)
+        meta.closed = stream_log.published_closed
+        return StreamView(meta, stream_log.published_tail)
 
     async def _existing(self, now: float) -> StreamLog:
         stream_log = self._storage.open(self.name)
@@ -126,10 +147,18 @@ class StreamActor:
             raise not_found(self.name)
         if stream_log.meta.expired(now):
             log.info("stream %r expired", self.name)
-            await self._storage.delete(self.name)
-            self._notify()
+            await self._delete(stream_log)
             raise not_found(self.name)
+        stream_log.on_publish = self._notify
         return stream_log
+
+    async def _delete(self, stream_log: StreamLog) -> None:
+        try:
+            await self._storage.delete(self.name)
+        except StorageUnavailable as error:
+            raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
+        stream_log.on_publish = None
+        self._notify()
 
     # ---- handlers: each runs inside the actor's task ----------------------------------
 
@@ -152,17 +181,21 @@ class StreamActor:
             created = await self._storage.create(meta, spec.messages)
         except StorageFull as error:
             raise _full(error) from None
+        except StorageUnavailable as error:
+            raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
+        created.on_publish = self._notify
         self._notify()
         return 201, self._view(created)
 
-    async def append(self, spec: AppendSpec) -> AppendOutcome:
+    async def append(self, spec: AppendSpec) -> PendingAppend:
         now = time.time()
         stream_log = await self._existing(now)
         stream_log.meta.last_access = now
         state = rules.StreamState(stream_log.meta, stream_log.producers, stream_log.tail)
         plan = rules.plan_append(state, spec)
         if isinstance(plan, AppendOutcome):
-            return plan
+            # A duplicate or an idempotent close: answer once what it repeats is durable.
+            return PendingAppend(stream_log.latest_commit(), plan)
         candidate = rules.StreamState(
             rules.copy_meta(stream_log.meta), dict(stream_log.producers), state.tail
         )
@@ -172,64 +205,38 @@ class StreamActor:
             if plan.producer_id is not None and plan.producer_state is not None
             else None
         )
+        record = AppendRecord(plan.messages, candidate.meta, producer, plan.close, plan.stream_seq)
         try:
-            await stream_log.append(plan.messages, candidate.meta, producer)
+            commit = stream_log.submit(record)
         except StorageFull as error:
             raise _full(error) from None
-        self._notify()
-        return outcome
+        return PendingAppend(commit, outcome)
 
-    async def read(self, start: int | str, max_bytes: int, touch: bool) -> ReadView:
-        """`start` is a position, or "-1"/"now"; `touch` renews a sliding TTL."""
+    async def read(self, start: int | str, touch: bool) -> ReadPlan:
+        """Validates `start` (a position, or "-1"/"now") against the published stream."""
         now = time.time()
         stream_log = await self._existing(now)
         if touch:
             stream_log.meta.last_access = now
-        tail = stream_log.tail
+        view = self._view(stream_log)
         if start == "now":
-            position = tail
+            position = view.tail
         elif start == "-1":
             position = 0
         else:
             assert isinstance(start, int)
             position = start
-            if position > tail:
+            if position > view.tail:
                 raise bad_request("offset_out_of_range", "offset is past the end of the stream")
-            if stream_log.meta.json_mode and not stream_log.is_boundary(position):
+            if view.meta.json_mode and not stream_log.is_boundary(position):
                 raise bad_request("invalid_offset", "offset is not at a message boundary of this JSON stream")
-        if position >= tail:
-            result_messages: list[bytes] = []
-            next_position = tail
-        else:
-            result = stream_log.read(position, max_bytes, whole_messages=stream_log.meta.json_mode)
-            result_messages, next_position = result.messages, result.next_position
-        return ReadView(self._view(stream_log), position, result_messages, next_position, self._changed)
+        return ReadPlan(view, position, stream_log, self._changed)
 
     async def head(self) -> StreamView:
         return self._view(await self._existing(time.time()))
 
-    async def touch(self) -> None:
-        """Renews a sliding TTL for a live reader that is still waiting."""
-        stream_log = self._storage.open(self.name)
-        if stream_log is not None:
-            stream_log.meta.last_access = time.time()
-
     async def delete(self) -> None:
-        await self._existing(time.time())
-        await self._storage.delete(self.name)
-        self._notify()
-
-    def ttl_deadline(self) -> float:
-        stream_log = self._storage.open(self.name)
-        if stream_log is None:
-            return math.inf
-        meta = stream_log.meta
-        deadlines = [math.inf]
-        if meta.ttl_seconds is not None:
-            deadlines.append(meta.last_access + meta.ttl_seconds)
-        if meta.expires_at_ts is not None:
-            deadlines.append(meta.expires_at_ts)
-        return min(deadlines)
+        await self._delete(await self._existing(time.time()))
 
 
 def _full(error: StorageFull) -> ProtocolError:
@@ -238,4 +245,4 @@ def _full(error: StorageFull) -> ProtocolError:
     return ProtocolError(507, "storage_full", f"{error}; delete streams or raise the cap")
 
 
-__all__ = ["ActorGone", "ReadView", "StreamActor", "StreamView"]
+__all__ = ["ActorGone", "PendingAppend", "ReadPlan", "StreamActor", "StreamView"]

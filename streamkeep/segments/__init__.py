@@ -1,4 +1,2 @@
-"""On-disk segment files of the hot tier.
-
-Empty until the segment format lands (issue #3); memory storage needs no segments.
-"""
+"""Segment files: the on-disk record format (`format`), shared by the disk store and readers such
+as Spark. docs/segment-format.md is the specification."""

@@ -1,15 +1,25 @@
-"""The storage interface the actors program against; memory now, disk and cold tiers later.
+"""The storage interface the actors program against: memory and disk now, a cold tier later.
 
-A `StreamLog` is one stream's durable state: metadata, producer table and messages. Only the
-stream's actor calls its mutating methods, so implementations need no locks of their own. Every
-mutating method is one atomic, durable step: after it returns, a crash loses none of it, and a
-crash during it leaves all or none of it.
+A `StreamLog` is one stream's state. It keeps two views of it:
+
+- the *accepted* state (`meta`, `producers`, `tail`): every append the actor has sequenced,
+  including ones still being written. The actor decides new appends against it.
+- the *published* state (`published_tail`, `published_closed`): what is durable. Readers and
+  live subscribers see only this, so a crash can never take back bytes a reader saw.
+
+`submit` hands an append to the log without waiting; its `Commit` resolves once the append is
+durable (or written, under a relaxed fsync policy), and the log then calls `on_publish`. If a write
+fails, that commit and every later one fail and the accepted state falls back to the published one.
+Only the stream's actor calls the mutating methods, so logs need no locks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import trio
 
 from streamkeep.protocol.stream import ProducerState, StreamMeta
 
@@ -22,39 +32,127 @@ class StorageFull(Exception):
         self.per_stream = per_stream
 
 
+class StorageUnavailable(Exception):
+    """The write failed (disk full, I/O error); nothing of it is visible. `status` is 503 or 507."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ByteBudget:
+    """Per-stream and total byte caps, shared by all logs of one storage."""
+
+    def __init__(self, *, max_stream_bytes: int, max_total_bytes: int) -> None:
+        self.max_stream_bytes = max_stream_bytes
+        self.max_total_bytes = max_total_bytes
+        self.total_bytes = 0
+
+    def reserve(self, stream_bytes: int, added: int) -> None:
+        if stream_bytes + added > self.max_stream_bytes:
+            raise StorageFull(
+                f"the stream would pass its cap of {self.max_stream_bytes} bytes", per_stream=True
+            )
+        if self.total_bytes + added > self.max_total_bytes:
+            raise StorageFull(
+                f"the server would pass its storage cap of {self.max_total_bytes} bytes", per_stream=False
+            )
+        self.total_bytes += added
+
+    def release(self, amount: int) -> None:
+        self.total_bytes -= amount
+
+
+class Commit:
+    """Resolves with the stream's new tail once an append is published, or fails."""
+
+    __slots__ = ("_done", "_error", "tail")
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._error: StorageUnavailable | None = None
+        self.tail = 0
+
+    def resolve(self, tail: int) -> None:
+        self.tail = tail
+        self._done.set()
+
+    def fail(self, error: StorageUnavailable) -> None:
+        self._error = error
+        self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> int:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self.tail
+
+
+def resolved(tail: int) -> Commit:
+    commit = Commit()
+    commit.resolve(tail)
+    return commit
+
+
 @dataclass(frozen=True)
 class ReadResult:
     messages: list[bytes]
     next_position: int
 
 
+@dataclass(frozen=True)
+class AppendRecord:
+    """What one accepted append writes, all in one atomic record."""
+
+    messages: list[bytes]
+    meta: StreamMeta  # the accepted metadata after this append (closed flag, Stream-Seq)
+    producer: tuple[str, ProducerState] | None
+    closes: bool
+    stream_seq: str | None
+
+
 class StreamLog(Protocol):
     meta: StreamMeta
     producers: dict[str, ProducerState]
+    on_publish: Callable[[], None] | None
 
     @property
     def tail(self) -> int: ...
 
-    def read(self, start: int, max_bytes: int, *, whole_messages: bool) -> ReadResult:
-        """Messages from `start` until about `max_bytes`, at least one; byte streams
-        (`whole_messages=False`) may be cut anywhere, JSON messages never."""
+    @property
+    def published_tail(self) -> int: ...
+
+    @property
+    def published_closed(self) -> bool: ...
+
+    @property
+    def pending(self) -> int:
+        """Appends submitted but not yet published."""
         ...
 
     def is_boundary(self, position: int) -> bool: ...
 
-    async def append(
-        self,
-        messages: list[bytes],
-        meta: StreamMeta,
-        producer: tuple[str, ProducerState] | None,
-    ) -> int:
-        """Store messages with the metadata and producer state they bring; returns the new tail."""
+    async def read(self, start: int, max_bytes: int, *, whole_messages: bool) -> ReadResult:
+        """Published messages from `start` until about `max_bytes`, at least one; byte streams
+        (`whole_messages=False`) may be cut anywhere, JSON messages never."""
         ...
 
-    async def save_meta(self, meta: StreamMeta) -> None: ...
+    def submit(self, record: AppendRecord) -> Commit:
+        """Accepts an append (raises StorageFull at once for caps); the Commit tracks durability."""
+        ...
+
+    def latest_commit(self) -> Commit:
+        """Resolves when everything submitted so far is published (for duplicates to wait on)."""
+        ...
 
 
 class Storage(Protocol):
+    budget: ByteBudget
+
     def open(self, name: str) -> StreamLog | None: ...
 
     async def create(self, meta: StreamMeta, messages: list[bytes]) -> StreamLog: ...

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import replace
 
 from streamkeep.protocol.stream import ProducerState, StreamMeta
-from streamkeep.storage.base import ReadResult, StorageFull
+from streamkeep.storage.base import AppendRecord, ByteBudget, Commit, ReadResult, resolved
 
 
 class MemoryLog:
-    def __init__(self, store: MemoryStorage, meta: StreamMeta) -> None:
-        self._store = store
+    """Accepted and published state are the same here: an append is published as it is accepted."""
+
+    def __init__(self, budget: ByteBudget, meta: StreamMeta) -> None:
+        self._budget = budget
         self.meta = meta
         self.producers: dict[str, ProducerState] = {}
+        self.on_publish: Callable[[], None] | None = None
         self._messages: list[bytes] = []
         # _ends[i] is the position just past message i; positions are cumulative stored bytes.
         self._ends: list[int] = []
@@ -22,13 +26,21 @@ class MemoryLog:
     def tail(self) -> int:
         return self._ends[-1] if self._ends else 0
 
+    published_tail = tail
+
+    @property
+    def published_closed(self) -> bool:
+        return self.meta.closed
+
+    pending = 0
+
     def is_boundary(self, position: int) -> bool:
         if position == 0 or position == self.tail:
             return True
         index = bisect_right(self._ends, position) - 1
         return index >= 0 and self._ends[index] == position
 
-    def read(self, start: int, max_bytes: int, *, whole_messages: bool) -> ReadResult:
+    async def read(self, start: int, max_bytes: int, *, whole_messages: bool) -> ReadResult:
         index = bisect_right(self._ends, start)
         if index >= len(self._messages):
             return ReadResult([], self.tail)
@@ -50,60 +62,46 @@ class MemoryLog:
             index += 1
         return ReadResult(out, position)
 
-    async def append(
-        self,
-        messages: list[bytes],
-        meta: StreamMeta,
-        producer: tuple[str, ProducerState] | None,
-    ) -> int:
-        added = sum(len(m) for m in messages)
-        self._store.reserve(self.tail, added)
+    def add(self, messages: list[bytes]) -> int:
+        self._budget.reserve(self.tail, sum(len(m) for m in messages))
         position = self.tail
         for message in messages:
             position += len(message)
             self._messages.append(message)
             self._ends.append(position)
-        self.meta = replace(meta)
-        if producer is not None:
-            self.producers[producer[0]] = producer[1]
         return position
 
-    async def save_meta(self, meta: StreamMeta) -> None:
-        self.meta = replace(meta)
+    def submit(self, record: AppendRecord) -> Commit:
+        tail = self.add(record.messages)
+        self.meta = replace(record.meta)
+        if record.producer is not None:
+            self.producers[record.producer[0]] = record.producer[1]
+        if self.on_publish is not None:
+            self.on_publish()
+        return resolved(tail)
+
+    def latest_commit(self) -> Commit:
+        return resolved(self.tail)
 
 
 class MemoryStorage:
     def __init__(self, *, max_stream_bytes: int, max_total_bytes: int) -> None:
-        self.max_stream_bytes = max_stream_bytes
-        self.max_total_bytes = max_total_bytes
-        self.total_bytes = 0
+        self.budget = ByteBudget(max_stream_bytes=max_stream_bytes, max_total_bytes=max_total_bytes)
         self._logs: dict[str, MemoryLog] = {}
-
-    def reserve(self, stream_bytes: int, added: int) -> None:
-        if stream_bytes + added > self.max_stream_bytes:
-            raise StorageFull(
-                f"the stream would pass its cap of {self.max_stream_bytes} bytes", per_stream=True
-            )
-        if self.total_bytes + added > self.max_total_bytes:
-            raise StorageFull(
-                f"the server would pass its memory cap of {self.max_total_bytes} bytes",
-                per_stream=False,
-            )
-        self.total_bytes += added
 
     def open(self, name: str) -> MemoryLog | None:
         return self._logs.get(name)
 
     async def create(self, meta: StreamMeta, messages: list[bytes]) -> MemoryLog:
-        log = MemoryLog(self, replace(meta))
-        await log.append(messages, meta, None)
+        log = MemoryLog(self.budget, replace(meta))
+        log.add(messages)
         self._logs[meta.name] = log
         return log
 
     async def delete(self, name: str) -> None:
         log = self._logs.pop(name, None)
         if log is not None:
-            self.total_bytes -= log.tail
+            self.budget.release(log.tail)
 
     def names(self) -> list[str]:
         return list(self._logs)
