@@ -8,7 +8,7 @@ VENV_STAMP := $(VENV)/.installed
 NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
-.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 venv clean
+.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk venv clean
 
 venv: $(VENV_STAMP)
 
@@ -24,11 +24,12 @@ $(NPM_STAMP): conformance/package.json conformance/package-lock.json
 	cd conformance && npm ci --no-audit --no-fund
 	@touch $@
 
-## Run the server on http://127.0.0.1:4437 with memory storage. Extra flags: make serve ARGS="--port 8080"
+## Run the server on http://127.0.0.1:4437, streams kept durably in ./data. Extra flags: make serve ARGS="--port 8080"
 serve: $(VENV_STAMP)
 	$(VENV)/bin/streamkeep serve $(ARGS)
 
-## Every test: lint, our own tests, the official conformance suite over HTTP/1.1 and HTTPS+h2.
+## Every test: lint, our own tests, the official conformance suite over HTTP/1.1 and HTTPS+h2,
+## on memory and on disk storage.
 test: lint unit conformance
 
 lint: $(VENV_STAMP)
@@ -37,13 +38,17 @@ lint: $(VENV_STAMP)
 unit: $(VENV_STAMP)
 	$(PY) -m pytest -q
 
-conformance: conformance-h1 conformance-h2
+conformance: conformance-h1 conformance-h2 conformance-disk
 
 conformance-h1: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance
 
 conformance-h2: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance --tls-h2
+
+conformance-disk: $(VENV_STAMP) $(NPM_STAMP)
+	$(PY) -m ops.run_conformance --storage disk
+	$(PY) -m ops.run_conformance --storage disk --tls-h2
 
 clean:
 	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache

@@ -13,6 +13,8 @@ from ops.run_conformance import make_certificates
 from ops.serverproc import ServerProcess, start
 
 FAST = [
+    "--storage",
+    "memory",
     "--long-poll-timeout",
     "1",
     "--sse-close-after",

@@ -27,7 +27,7 @@ def test_layers_later_wins(tmp_path: Path) -> None:
 def test_defaults_without_anything() -> None:
     settings = config.load(None, env={})
     assert (settings.server.host, settings.server.port) == ("127.0.0.1", 4437)
-    assert settings.server.sse_close_after == 60.0 and settings.storage.mode == "memory"
+    assert settings.server.sse_close_after == 60.0 and settings.storage.mode == "disk"
 
 
 def test_seed_000_variable_names_work() -> None:

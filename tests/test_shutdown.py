@@ -12,7 +12,7 @@ from ops.serverproc import start
 
 
 def test_sigterm_ends_sse_and_long_poll_cleanly() -> None:
-    server = start("--long-poll-timeout", "30", "--sse-close-after", "60")
+    server = start("--storage", "memory", "--long-poll-timeout", "30", "--sse-close-after", "60")
     try:
         url = f"{server.url}/v1/stream/shutdown"
         httpx.put(url, headers={"Content-Type": "text/plain"})

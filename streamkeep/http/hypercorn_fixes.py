@@ -6,7 +6,10 @@
    DATA but still return its flow-control credit, so the connection keeps working.
 2. Any other exception inside one connection is logged and ends that connection only, instead of
    propagating into the server nursery.
-3. HTTP/1.1 status lines get their reason phrase (`204 No Content`, not `204 `): legal without it,
+3. `TCPServer._close` calls `send_eof()` outside the connection's send lock, and trio's
+   `send_eof` checkpoints inside its conflict detector, so a response being sent at that moment
+   fails with BusyResourceError ("Error in ASGI Framework") and is lost. We take the lock first.
+4. HTTP/1.1 status lines get their reason phrase (`204 No Content`, not `204 `): legal without it,
    but h2load's HTTP/1.1 mode counted every such response as failed, and other clients may too.
 """
 
@@ -18,6 +21,7 @@ from http import HTTPStatus
 import h2.events
 import h2.exceptions
 import h11
+import trio
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
@@ -34,6 +38,7 @@ def apply() -> None:
     original_handle_events = H2Protocol._handle_events
     original_run = TCPServer.run
     original_send_h11_event = H11Protocol._send_h11_event
+    original_close = TCPServer._close
 
     async def handle_events(self: H2Protocol, events: list[h2.events.Event]) -> None:
         # One event at a time: a batch can hold a stream's HEADERS and then its DATA, and the
@@ -65,6 +70,16 @@ def apply() -> None:
             )
         await original_send_h11_event(self, event)
 
+    async def close_under_send_lock(self: TCPServer) -> None:
+        # protocol_send() may reach _close() while holding the lock itself; trio locks are not
+        # reentrant, so only take it when another task (or none) holds it.
+        if self.send_lock.statistics().owner is trio.lowlevel.current_task():
+            await original_close(self)
+        else:
+            async with self.send_lock:
+                await original_close(self)
+
+    TCPServer._close = close_under_send_lock  # type: ignore[method-assign]
     H11Protocol._send_h11_event = send_h11_event_with_reason  # type: ignore[method-assign]
     H2Protocol._handle_events = handle_events  # type: ignore[method-assign]
     TCPServer.run = guarded_run  # type: ignore[method-assign]

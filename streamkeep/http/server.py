@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import trio
@@ -14,6 +15,8 @@ from streamkeep.actors.supervisor import Supervisor
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
 from streamkeep.service import Service, ServiceOptions
+from streamkeep.storage.base import ByteBudget
+from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.memory import MemoryStorage
 
 log = logging.getLogger("streamkeep")
@@ -39,9 +42,38 @@ def hypercorn_config(settings: SimpleNamespace) -> Config:
     return config
 
 
-def build_service(settings: SimpleNamespace, nursery: trio.Nursery) -> Service:
+async def open_storage(settings: SimpleNamespace, nursery: trio.Nursery) -> MemoryStorage | DiskStorage:
     limits = settings.limits
-    storage = MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes)
+    if settings.storage.mode == "memory":
+        return MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes)
+    options = settings.storage
+    storage = DiskStorage(
+        Path(options.data_dir),
+        budget=ByteBudget(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes),
+        fsync=options.fsync,
+        fsync_interval=options.fsync_interval,
+        segment_max_bytes=options.segment_max_bytes,
+        segment_max_messages=options.segment_max_messages,
+        io_threads=options.io_threads,
+    )
+    log.info("recovering streams from %s ...", Path(options.data_dir).resolve())
+    report = await storage.start(nursery)
+    log.info(
+        "recovered %d streams (%d appends, %d bytes) in %.2f s; %d repaired, %d skipped",
+        report.streams,
+        report.records,
+        report.bytes,
+        report.seconds,
+        len(report.repaired),
+        len(report.skipped),
+    )
+    return storage
+
+
+def build_service(
+    settings: SimpleNamespace, nursery: trio.Nursery, storage: MemoryStorage | DiskStorage
+) -> Service:
+    limits = settings.limits
     supervisor = Supervisor(
         storage,
         nursery,
@@ -61,7 +93,8 @@ def build_service(settings: SimpleNamespace, nursery: trio.Nursery) -> Service:
 async def serve(settings: SimpleNamespace) -> None:
     hypercorn_fixes.apply()
     async with trio.open_nursery() as nursery:
-        service = build_service(settings, nursery)
+        storage = await open_storage(settings, nursery)
+        service = build_service(settings, nursery, storage)
         nursery.start_soon(service.sweep_expired)
         app = create_app(
             service, max_body_bytes=settings.limits.max_body_bytes, body_timeout=settings.limits.body_timeout
@@ -84,7 +117,7 @@ async def serve(settings: SimpleNamespace) -> None:
         for bind in binds:
             # Tests and scripts read this line to find the port when started with --port 0.
             print(f"streamkeep listening on {bind}", flush=True)
-        log.info("storage: %s", settings.storage.mode)
+        log.info("storage: %s, fsync=%s", settings.storage.mode, settings.storage.fsync)
 
 
 def run(settings: SimpleNamespace) -> None:

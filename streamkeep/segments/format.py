@@ -84,25 +84,34 @@ def encode_segment_header(name: str, start: int, content_type: str, stream_id: s
     return _frame(KIND_SEGMENT, {"name": name, "s": start, "ct": content_type, "id": stream_id}, b"")
 
 
-def encode_append(
+def append_header(
     start: int,
     time_ms: int,
-    messages: list[bytes],
+    message_lengths: list[int],
     *,
     producer: tuple[str, int, int] | None = None,
     closes: bool = False,
     stream_seq: str | None = None,
-) -> bytes:
+) -> dict:
     header: dict = {"s": start, "t": time_ms}
-    if len(messages) > 1:
-        header["n"] = [len(m) for m in messages]
+    if len(message_lengths) > 1:
+        header["n"] = message_lengths
     if producer is not None:
         header["pi"], header["pe"], header["ps"] = producer
     if closes:
         header["c"] = True
     if stream_seq is not None:
         header["q"] = stream_seq
-    return _frame(KIND_APPEND, header, b"".join(messages))
+    return header
+
+
+def frame_append(header: dict, payload: bytes) -> bytes:
+    return _frame(KIND_APPEND, header, payload)
+
+
+def encode_append(start: int, time_ms: int, messages: list[bytes], **fields) -> bytes:  # type: ignore[no-untyped-def]
+    header = append_header(start, time_ms, [len(m) for m in messages], **fields)
+    return frame_append(header, b"".join(messages))
 
 
 def decode_at(buf: bytes | memoryview, offset: int, *, keep_payload: bool = True) -> Record:
