@@ -159,7 +159,8 @@ def run(kills: int, writers: int, seed: int, log=print) -> None:  # type: ignore
             total = sum(len(w.acked) for w in team)
             log(
                 f"kill {round_number}/{kills}: {total} acknowledged appends on own streams, "
-                f"{len(shared_acked)} on the shared one, {retried} producer retries: all present once, in order"
+                f"{len(shared_acked)} on the shared one, {retried} producer retries: "
+                "all present once, in order"
             )
         server.stop()
 

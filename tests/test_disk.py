@@ -245,7 +245,7 @@ def test_segment_files_are_self_describing(tmp_path: Path) -> None:
     httpx.post(url, content=b"hello", headers=producer)
     httpx.post(url, headers={"Stream-Closed": "true"})
     server.stop()
-    records, valid, reason = fmt.scan(segment_files(tmp_path, "spec")[0].read_bytes(), keep_payload=True)
+    records, _valid, reason = fmt.scan(segment_files(tmp_path, "spec")[0].read_bytes(), keep_payload=True)
     assert reason is None
     assert records[0].kind == fmt.KIND_SEGMENT and records[0].header["name"] == "spec"
     assert records[1].payload == b"hello" and records[1].producer == ("p", 3, 0)
