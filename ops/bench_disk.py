@@ -167,10 +167,25 @@ def run(seconds: float, clients: int) -> str:
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         body_file = Path(tmp) / "body"
         body_file.write_bytes(PAYLOAD)
+
+        def streamkeep(method: str) -> ServerProcess:
+            data = f"{tmp}/sk-{method}"
+            return start(
+                "--storage",
+                "disk",
+                "--data-dir",
+                data,
+                "--fsync",
+                "always",
+                "--sync-method",
+                method,
+                "--log-level",
+                "warning",
+            )
+
         servers = {
-            "streamkeep disk": lambda: start(
-                "--storage", "disk", "--data-dir", f"{tmp}/sk", "--fsync", "always", "--log-level", "warning"
-            ),
+            "streamkeep disk": lambda: streamkeep("fdatasync"),
+            "streamkeep disk syncfs": lambda: streamkeep("syncfs"),
             "node file-backed": lambda: start_node(Path(tmp) / "node"),
         }
         for name, launch in servers.items():
@@ -208,12 +223,14 @@ def report(
         "|---|---|---|---|---|---|",
     ]
     for scenario in ("own streams", "shared stream"):
-        sk, node = by[("streamkeep disk", scenario)], by[("node file-backed", scenario)]
-        lines.append(
-            f"| {clients} clients, {scenario} | {sk.appends_per_s:,.0f} | {node.appends_per_s:,.0f} | "
-            f"{sk.appends_per_s / node.appends_per_s:.2f}x | {sk.cpu_us_per_append:.0f} us | "
-            f"{node.cpu_us_per_append:.0f} us |"
-        )
+        node = by[("node file-backed", scenario)]
+        for name in ("streamkeep disk", "streamkeep disk syncfs"):
+            sk = by[(name, scenario)]
+            lines.append(
+                f"| {clients} clients, {scenario}, {name.removeprefix('streamkeep disk').strip() or 'fdatasync'} | "
+                f"{sk.appends_per_s:,.0f} | {node.appends_per_s:,.0f} | {sk.appends_per_s / node.appends_per_s:.2f}x | "
+                f"{sk.cpu_us_per_append:.0f} us | {node.cpu_us_per_append:.0f} us |"
+            )
     for name, (p50, p99) in latencies.items():
         lines.append(f"| 1 client sequential latency, {name} | p50 {p50:.2f} ms | p99 {p99:.2f} ms | | | |")
     return "\n".join(lines)

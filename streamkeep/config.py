@@ -106,6 +106,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server", "port", port, 4437, "TCP port to listen on (0 picks a free port)"),
     Setting(
         "server",
+        "edge",
+        one_of("lean", "quart"),
+        "lean",
+        "HTTP edge: lean (trio driving h11/h2 directly, fastest) or quart (quart-trio on hypercorn)",
+        flag="--edge",
+    ),
+    Setting(
+        "server",
         "long_poll_timeout",
         seconds,
         30.0,
@@ -185,6 +193,15 @@ SETTINGS: tuple[Setting, ...] = (
         "always: acknowledge an append only once it is on stable storage (group commit); "
         "interval: sync every --fsync-interval; never: leave it to the OS",
         flag="--fsync",
+    ),
+    Setting(
+        "storage",
+        "sync_method",
+        one_of("fdatasync", "syncfs"),
+        "fdatasync",
+        "how --fsync always syncs: fdatasync per file, or one syncfs() per commit round (faster "
+        "across many streams; also flushes other data on that file system, so for dedicated volumes)",
+        flag="--sync-method",
     ),
     Setting(
         "storage",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import ssl
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
+from streamkeep.http.lean import EdgeLimits, serve_lean
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage.base import ByteBudget
 from streamkeep.storage.disk import DiskStorage
@@ -55,6 +57,7 @@ async def open_storage(settings: SimpleNamespace, nursery: trio.Nursery) -> Memo
         segment_max_bytes=options.segment_max_bytes,
         segment_max_messages=options.segment_max_messages,
         io_threads=options.io_threads,
+        sync_method=options.sync_method,
     )
     log.info("recovering streams from %s ...", Path(options.data_dir).resolve())
     report = await storage.start(nursery)
@@ -90,34 +93,73 @@ def build_service(
     return Service(supervisor, options)
 
 
+def tls_context(settings: SimpleNamespace) -> ssl.SSLContext | None:
+    if not settings.tls.cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls.cert, settings.tls.key)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # RFC 9113 requires TLS 1.2+ for HTTP/2
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
 async def serve(settings: SimpleNamespace) -> None:
-    hypercorn_fixes.apply()
     async with trio.open_nursery() as nursery:
         storage = await open_storage(settings, nursery)
         service = build_service(settings, nursery, storage)
         nursery.start_soon(service.sweep_expired)
-        app = create_app(
-            service, max_body_bytes=settings.limits.max_body_bytes, body_timeout=settings.limits.body_timeout
-        )
+        shutdown = trio.Event()
 
-        async def shutdown_trigger() -> None:
+        async def watch_signals() -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("%s: ending live reads, finishing requests", signal.Signals(signum).name)
                     service.begin_shutdown()
+                    shutdown.set()
                     return
 
+        nursery.start_soon(watch_signals)
+
         async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-            config = hypercorn_config(settings)
-            await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
-            # hypercorn returns once in-flight requests finished (or the grace period ran out).
+            if settings.server.edge == "lean":
+                limits = EdgeLimits(
+                    max_body_bytes=settings.limits.max_body_bytes,
+                    body_timeout=settings.limits.body_timeout,
+                    h2_max_concurrent_streams=settings.server.h2_max_concurrent_streams,
+                )
+                await serve_lean(
+                    service,
+                    host=settings.server.host,
+                    port=settings.server.port,
+                    backlog=settings.server.backlog,
+                    limits=limits,
+                    ssl_context=tls_context(settings),
+                    shutdown_grace=settings.server.shutdown_grace,
+                    shutdown=shutdown,
+                    task_status=task_status,
+                )
+            else:
+                hypercorn_fixes.apply()
+                app = create_app(
+                    service,
+                    max_body_bytes=settings.limits.max_body_bytes,
+                    body_timeout=settings.limits.body_timeout,
+                )
+                config = hypercorn_config(settings)
+                await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
+            # The edge returns once in-flight requests finished (or the grace period ran out).
             nursery.cancel_scope.cancel()
 
         binds = await nursery.start(run_http)
         for bind in binds:
             # Tests and scripts read this line to find the port when started with --port 0.
             print(f"streamkeep listening on {bind}", flush=True)
-        log.info("storage: %s, fsync=%s", settings.storage.mode, settings.storage.fsync)
+        log.info(
+            "edge: %s; storage: %s, fsync=%s",
+            settings.server.edge,
+            settings.storage.mode,
+            settings.storage.fsync,
+        )
 
 
 def run(settings: SimpleNamespace) -> None:

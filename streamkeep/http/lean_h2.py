@@ -1,0 +1,289 @@
+"""HTTP/2 for the lean edge: h2's state machine, flow control both ways, one task per request."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import trio
+
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.model import Headers, Request, Response
+
+if TYPE_CHECKING:
+    from streamkeep.http.lean import Connections, EdgeLimits
+    from streamkeep.service import Service
+
+log = logging.getLogger(__name__)
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+READ_SIZE = 65536
+IDLE_TIMEOUT = 75.0
+# Hop-by-hop headers are forbidden in HTTP/2 responses.
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "upgrade", "proxy-connection"}
+
+
+class _Stream:
+    __slots__ = ("chunks", "complete", "headers", "rejected", "scope", "size", "started")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self.headers = headers
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.complete = False
+        self.started = False
+        self.rejected: ProtocolError | None = None
+        self.scope: trio.CancelScope | None = None
+
+
+async def serve_h2(
+    stream: trio.abc.Stream,
+    first: bytes,
+    service: Service,
+    limits: EdgeLimits,
+    scheme: str,
+    connections: Connections,
+    scope: trio.CancelScope,
+) -> None:
+    await _H2Connection(stream, service, limits, scheme, connections, scope).run(first)
+
+
+class _H2Connection:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        service: Service,
+        limits: EdgeLimits,
+        scheme: str,
+        connections: Connections,
+        scope: trio.CancelScope,
+    ) -> None:
+        self.stream = stream
+        self.service = service
+        self.limits = limits
+        self.scheme = scheme
+        self.connections = connections
+        self.scope = scope
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        self.conn = h2.connection.H2Connection(config=config)
+        self.conn.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.h2_max_concurrent_streams,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 * 1024,
+            },
+        )
+        self.streams: dict[int, _Stream] = {}
+        self.send_lock = trio.Lock()
+        self.window_changed = trio.Event()
+        self.closed = False
+        self.nursery: trio.Nursery | None = None
+
+    async def run(self, first: bytes) -> None:
+        self.conn.initiate_connection()
+        await self.flush()
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            data = first
+            while not self.closed:
+                if data:
+                    try:
+                        events = self.conn.receive_data(data)
+                    except h2.exceptions.ProtocolError:
+                        await self.flush()  # h2 queued a GOAWAY saying why
+                        break
+                    self.handle(events)
+                    await self.flush()
+                idle = not self.streams
+                if idle:
+                    self.connections.idle.add(self.scope)
+                    if self.connections.closing:
+                        self.conn.close_connection()
+                        await self.flush()
+                        break
+                data = b""
+                with trio.move_on_after(IDLE_TIMEOUT if idle else float("inf")) as waited:
+                    data = await self.stream.receive_some(READ_SIZE)
+                self.connections.idle.discard(self.scope)
+                if waited.cancelled_caught or not data:
+                    break
+            nursery.cancel_scope.cancel()
+
+    # ---- events from the client -------------------------------------------------------
+
+    def handle(self, events: list[h2.events.Event]) -> None:
+        for event in events:
+            if isinstance(event, h2.events.RequestReceived):
+                state = _Stream(list(event.headers))
+                self.streams[event.stream_id] = state
+                declared = _header(state.headers, b"content-length")
+                if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+                    state.rejected = _too_large(self.limits.max_body_bytes)
+                    self.start(event.stream_id, state)
+                elif event.stream_ended is not None:
+                    state.complete = True
+                    self.start(event.stream_id, state)
+                else:
+                    assert self.nursery is not None
+                    self.nursery.start_soon(self.body_deadline, event.stream_id, state)
+            elif isinstance(event, h2.events.DataReceived):
+                self.receive_body(event)
+            elif isinstance(event, h2.events.StreamEnded):
+                state = self.streams.get(event.stream_id)
+                if state is not None and not state.started:
+                    state.complete = True
+                    self.start(event.stream_id, state)
+            elif isinstance(event, h2.events.StreamReset):
+                state = self.streams.pop(event.stream_id, None)
+                if state is not None and state.scope is not None:
+                    state.scope.cancel()
+                self.wake_senders()
+            elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+                self.wake_senders()
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self.closed = True
+
+    def receive_body(self, event: h2.events.DataReceived) -> None:
+        # Credit comes back for every byte, kept or not: a body we already answered is drained,
+        # never left to stall the connection's window.
+        try:
+            self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+        state = self.streams.get(event.stream_id)
+        if state is None or state.started:
+            return
+        state.size += len(event.data)
+        if state.size > self.limits.max_body_bytes:
+            state.rejected = _too_large(self.limits.max_body_bytes)
+            state.chunks = []
+            self.start(event.stream_id, state)
+            return
+        state.chunks.append(event.data)
+
+    async def body_deadline(self, stream_id: int, state: _Stream) -> None:
+        await trio.sleep(self.limits.body_timeout)
+        if not state.started and self.streams.get(stream_id) is state:
+            timeout = self.limits.body_timeout
+            state.rejected = ProtocolError(
+                408, "body_timeout", f"the request body took longer than {timeout:g} s"
+            )
+            self.start(stream_id, state)
+
+    def start(self, stream_id: int, state: _Stream) -> None:
+        state.started = True
+        assert self.nursery is not None
+        self.nursery.start_soon(self.respond, stream_id, state)
+
+    # ---- responses ----------------------------------------------------------------------
+
+    async def respond(self, stream_id: int, state: _Stream) -> None:
+        from streamkeep.http.lean import rejection
+
+        with trio.CancelScope() as scope:
+            state.scope = scope
+            try:
+                if state.rejected is not None:
+                    response = rejection(self.service, state.rejected)
+                    head = False
+                else:
+                    request = self.request(state)
+                    head = request.method == "HEAD"
+                    response = await self.service.handle(request)
+                await self.send_response(stream_id, response, head=head)
+            except (
+                h2.exceptions.StreamClosedError,
+                h2.exceptions.ProtocolError,
+                trio.BrokenResourceError,
+                trio.ClosedResourceError,
+            ):
+                pass
+            finally:
+                if self.streams.get(stream_id) is state:
+                    del self.streams[stream_id]
+
+    def request(self, state: _Stream) -> Request:
+        pseudo: dict[bytes, bytes] = {}
+        pairs: list[tuple[str, str]] = []
+        for name, value in state.headers:
+            if name.startswith(b":"):
+                pseudo[name] = value
+            else:
+                pairs.append((name.decode("latin-1"), value.decode("latin-1")))
+        if b":authority" in pseudo:
+            pairs.append(("host", pseudo[b":authority"].decode("latin-1")))
+        target = pseudo.get(b":path", b"/").decode("latin-1")
+        raw_path, _, query = target.partition("?")
+        method = pseudo.get(b":method", b"GET").decode("ascii", "replace")
+        body = b"".join(state.chunks)
+        state.chunks = []
+        return Request(method, raw_path, query, Headers(pairs), body, self.scheme, "2")
+
+    async def send_response(self, stream_id: int, response: Response, *, head: bool) -> None:
+        headers = [(b":status", str(response.status).encode())]
+        headers += [
+            (name.lower().encode("latin-1"), value.encode("latin-1"))
+            for name, value in response.headers
+            if name.lower() not in _HOP_BY_HOP
+        ]
+        if response.stream is None:
+            body = b"" if head or response.status in (204, 304) else response.body
+            if response.status not in (204, 304):
+                headers.append((b"content-length", str(len(response.body)).encode()))
+            self.conn.send_headers(stream_id, headers, end_stream=not body)
+            await self.flush()
+            if body:
+                await self.send_data(stream_id, body, end=True)
+            return
+        self.conn.send_headers(stream_id, headers, end_stream=False)
+        await self.flush()
+        iterator = response.stream
+        try:
+            async for chunk in iterator:
+                await self.send_data(stream_id, chunk, end=False)
+        finally:
+            await iterator.aclose()  # type: ignore[attr-defined]
+        self.conn.end_stream(stream_id)
+        await self.flush()
+
+    async def send_data(self, stream_id: int, data: bytes, *, end: bool) -> None:
+        view = memoryview(data)
+        while view:
+            window = self.conn.local_flow_control_window(stream_id)
+            if window <= 0:
+                await self.window_changed.wait()
+                continue
+            size = min(window, self.conn.max_outbound_frame_size, len(view))
+            self.conn.send_data(stream_id, bytes(view[:size]), end_stream=end and size == len(view))
+            view = view[size:]
+            await self.flush()
+
+    def wake_senders(self) -> None:
+        self.window_changed.set()
+        self.window_changed = trio.Event()
+
+    async def flush(self) -> None:
+        # Take the lock before collecting bytes, so frames reach the socket in the order h2 made them.
+        async with self.send_lock:
+            data = self.conn.data_to_send()
+            if data:
+                await self.stream.send_all(data)
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _too_large(limit: int) -> ProtocolError:
+    return ProtocolError(
+        413, "body_too_large", f"request bodies may be at most {limit} bytes; split the append"
+    )
