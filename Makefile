@@ -8,7 +8,8 @@ VENV_STAMP := $(VENV)/.installed
 NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
-.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk venv clean
+.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart \
+	bench bench-disk bench-recovery crash-test h2load venv clean
 
 venv: $(VENV_STAMP)
 
@@ -38,7 +39,7 @@ lint: $(VENV_STAMP)
 unit: $(VENV_STAMP)
 	$(PY) -m pytest -q
 
-conformance: conformance-h1 conformance-h2 conformance-disk
+conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart
 
 conformance-h1: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance
@@ -49,6 +50,32 @@ conformance-h2: $(VENV_STAMP) $(NPM_STAMP)
 conformance-disk: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance --storage disk
 	$(PY) -m ops.run_conformance --storage disk --tls-h2
+
+conformance-quart: $(VENV_STAMP) $(NPM_STAMP)
+	$(PY) -m ops.run_conformance --edge quart
+	$(PY) -m ops.run_conformance --edge quart --storage disk --tls-h2
+
+## Benchmarks (not part of `make test`): durable appends beside the Node reference server, recovery.
+BENCH_STAMP := ops/bench/node_modules/.installed
+
+$(BENCH_STAMP): ops/bench/package.json ops/bench/package-lock.json
+	cd ops/bench && npm ci --no-audit --no-fund
+	@touch $@
+
+h2load:
+	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
+
+bench: bench-disk bench-recovery
+
+bench-disk: $(VENV_STAMP) $(BENCH_STAMP) h2load
+	$(PY) -m ops.bench_disk
+
+bench-recovery: $(VENV_STAMP)
+	$(PY) -m ops.bench_recovery
+
+## The kill -9 crash test on its own (it also runs inside `make unit`).
+crash-test: $(VENV_STAMP)
+	$(PY) -m ops.crash_test --kills 20
 
 clean:
 	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache

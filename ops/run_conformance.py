@@ -3,6 +3,7 @@
     python -m ops.run_conformance                          # HTTP/1.1, memory storage
     python -m ops.run_conformance --tls-h2                 # HTTPS, HTTP/2 negotiated by ALPN
     python -m ops.run_conformance --storage disk --tls-h2  # the same on durable disk storage
+    python -m ops.run_conformance --edge quart             # through the quart-trio/hypercorn edge
 
 Forks and subscriptions (issue #4) are excluded until implemented; the summary line says how many
 tests ran. Exits non-zero when any test fails.
@@ -59,6 +60,7 @@ def main() -> int:
     )
     parser.add_argument("--tls-h2", action="store_true", help="serve HTTPS and make the suite use HTTP/2")
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory")
+    parser.add_argument("--edge", choices=("lean", "quart"), default="lean")
     parser.add_argument("--filter", help="vitest -t pattern to run a subset (for debugging)")
     parser.add_argument("server_args", nargs="*", help="extra `streamkeep serve` arguments")
     args = parser.parse_args()
@@ -68,7 +70,7 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ)
-        server_args = ["--storage", args.storage, "--data-dir", str(Path(tmp) / "data")]
+        server_args = ["--storage", args.storage, "--data-dir", str(Path(tmp) / "data"), "--edge", args.edge]
         server_args += ["--long-poll-timeout", "0.5", *args.server_args]
         if args.tls_h2:
             ca, cert, key = make_certificates(Path(tmp))
@@ -76,7 +78,9 @@ def main() -> int:
             env["NODE_EXTRA_CA_CERTS"] = str(ca)
             env["CONFORMANCE_HTTP2"] = "1"
         server = start(*server_args)
-        mode = ("HTTPS + HTTP/2" if args.tls_h2 else "HTTP/1.1") + f", {args.storage} storage"
+        mode = (
+            "HTTPS + HTTP/2" if args.tls_h2 else "HTTP/1.1"
+        ) + f", {args.storage} storage, {args.edge} edge"
         print(f"conformance: {mode} against {server.url}", flush=True)
         try:
             pattern = args.filter or f"^(?!.*({NOT_YET}))"

@@ -27,17 +27,20 @@ FAST = [
 _names = itertools.count()
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[ServerProcess]:
-    process = start(*FAST)
+@pytest.fixture(scope="session", params=["lean", "quart"])
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """The server, once per HTTP edge: every HTTP test runs against both."""
+    process = start(*FAST, "--edge", request.param)
     yield process
     process.stop()
 
 
-@pytest.fixture(scope="session")
-def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+@pytest.fixture(scope="session", params=["lean", "quart"])
+def tls_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, Path]]:
     ca, cert, key = make_certificates(tmp_path_factory.mktemp("tls"))
-    process = start(*FAST, "--tls-cert", str(cert), "--tls-key", str(key))
+    process = start(*FAST, "--tls-cert", str(cert), "--tls-key", str(key), "--edge", request.param)
     yield process, ca
     process.stop()
 

@@ -115,6 +115,7 @@ def test_deleted_streams_never_come_back(tmp_path: Path) -> None:
     for name in ("gone", "half-deleted", "kept"):
         httpx.put(f"{server.url}/v1/stream/{name}", content=b"x", headers=CT)
     assert httpx.delete(f"{server.url}/v1/stream/gone").status_code == 204
+    assert not (tmp_path / layout.STREAMS / "gone").exists()  # files go with the delete, not later
     server.stop(signal.SIGKILL)
     # A crash after a delete's rename into trash/ but before its files were removed:
     (tmp_path / layout.STREAMS / "half-deleted").rename(tmp_path / layout.TRASH / "crashed-delete")
@@ -250,3 +251,35 @@ def test_segment_files_are_self_describing(tmp_path: Path) -> None:
     assert records[0].kind == fmt.KIND_SEGMENT and records[0].header["name"] == "spec"
     assert records[1].payload == b"hello" and records[1].producer == ("p", 3, 0)
     assert records[2].closes and records[2].payload_len == 0
+
+
+async def test_disk_full_answers_507_json_and_reads_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamkeep.actors.supervisor import Supervisor
+    from streamkeep.protocol.model import Headers, Request
+    from streamkeep.service import Service, ServiceOptions
+
+    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22))
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        service = Service(Supervisor(storage, nursery), ServiceOptions())
+
+        def request(method: str, body: bytes = b"", query: str = "") -> Request:
+            return Request(method, "/v1/stream/full", query, Headers([("Content-Type", "text/plain")]), body)
+
+        assert (await service.handle(request("PUT", b"kept;"))).status == 201
+
+        def no_space(*args: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "pwrite", no_space)
+        failed = await service.handle(request("POST", b"lost;"))
+        assert failed.status == 507
+        assert b"disk is full" in failed.body and failed.header("Content-Type") == "application/json"
+        read = await service.handle(request("GET", query="offset=-1"))
+        assert read.status == 200 and read.body == b"kept;"
+        monkeypatch.undo()
+        assert (await service.handle(request("POST", b"later;"))).status == 204
+        assert (await service.handle(request("GET", query="offset=-1"))).body == b"kept;later;"
+        nursery.cancel_scope.cancel()

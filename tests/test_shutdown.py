@@ -7,12 +7,16 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from ops.serverproc import start
 
 
-def test_sigterm_ends_sse_and_long_poll_cleanly() -> None:
-    server = start("--storage", "memory", "--long-poll-timeout", "30", "--sse-close-after", "60")
+@pytest.mark.parametrize("edge", ["lean", "quart"])
+def test_sigterm_ends_sse_and_long_poll_cleanly(edge: str) -> None:
+    server = start(
+        "--storage", "memory", "--long-poll-timeout", "30", "--sse-close-after", "60", "--edge", edge
+    )
     try:
         url = f"{server.url}/v1/stream/shutdown"
         httpx.put(url, headers={"Content-Type": "text/plain"})

@@ -109,7 +109,8 @@ class AppendRecord:
     """What one accepted append writes, all in one atomic record."""
 
     messages: list[bytes]
-    meta: StreamMeta  # the accepted metadata after this append (closed flag, Stream-Seq)
+    # The accepted metadata after this append (closed flag, Stream-Seq): a copy the log may keep.
+    meta: StreamMeta
     producer: tuple[str, ProducerState] | None
     closes: bool
     stream_seq: str | None

@@ -226,7 +226,9 @@ class DiskLog:
         self._storage.budget.reserve(self._tail, added)
         pending = _Pending(record, self._tail, Commit(), int(time.time() * 1000))
         self._tail += added
-        self.meta = replace(record.meta)
+        # The record's meta is a fresh copy made for this append; only last_access is ever
+        # written in place afterwards, so sharing it is safe and saves a copy per append.
+        self.meta = record.meta
         if record.producer is not None:
             self.producers[record.producer[0]] = record.producer[1]
         self._queue.append(pending)
@@ -348,7 +350,7 @@ class DiskLog:
             payload = b"".join(pending.record.messages)
             record = fmt.Record(fmt.KIND_APPEND, header, 0, payload_at, len(payload), payload)
             self.index_record(segment, record, payload)
-            self._durable_meta = replace(pending.record.meta)
+            self._durable_meta = pending.record.meta
             pending.commit.resolve(self._pub_tail)
         if self.on_publish is not None:
             self.on_publish()

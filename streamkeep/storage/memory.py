@@ -73,7 +73,7 @@ class MemoryLog:
 
     def submit(self, record: AppendRecord) -> Commit:
         tail = self.add(record.messages)
-        self.meta = replace(record.meta)
+        self.meta = record.meta  # a fresh copy made for this append
         if record.producer is not None:
             self.producers[record.producer[0]] = record.producer[1]
         if self.on_publish is not None:
