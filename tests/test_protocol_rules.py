@@ -53,14 +53,29 @@ def status_of(fn, *args):  # type: ignore[no-untyped-def]
 
 
 def test_offsets_sort_as_positions_and_round_trip() -> None:
-    positions = [0, 1, 9, 10, 255, 4096, 2**40, 2**64 - 1]
+    positions = [0, 1, 9, 10, 255, 4096, 2**40, 10**16 - 1]
     tokens = [offsets.encode(p) for p in positions]
     assert tokens == sorted(tokens)
     assert [offsets.decode(t) for t in tokens] == positions
-    assert all(t not in ("-1", "now") and len(t) == 16 for t in tokens)
+    assert all(t not in ("-1", "now") and len(t) == 33 for t in tokens)
+    assert offsets.encode(0) == "0000000000000000_0000000000000000"
 
 
-@pytest.mark.parametrize("bad", ["", "abc", "-2", "0000000000000000x", "000000000000000G", "1,2", "../0"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "abc",
+        "-2",
+        "0000000000000000",
+        "0000000000000001_0000000000000005",
+        "9999999999999999_9999999999999999",
+        "0000000000000000_000000000000000a",
+        "0000000000000000_00000000000000001",
+        "1,2",
+        "../0",
+    ],
+)
 def test_malformed_offsets_are_400(bad: str) -> None:
     assert status_of(offsets.parse_query_offset, [bad]) == 400
 

@@ -1,7 +1,9 @@
 """Offsets: one token per byte position, fixed width so string order is stream order.
 
-A position is the count of stored bytes before it. The token is that count as 16 lower-case hex
-digits, so `-1`/`now` can never be minted and two tokens never name the same position.
+A position is the count of stored bytes before it. The token is `0000000000000000_` followed by
+that count as 16 decimal digits: the shape the Node reference server uses, which clients and the
+conformance suite have come to write by hand for "the beginning". The first half is reserved and
+must be all zeros, so `-1`/`now` can never be minted and no position has a second valid token.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ import re
 from streamkeep.protocol.errors import bad_request
 
 WIDTH = 16
-MAX_POSITION = (1 << 64) - 1
+RESERVED = "0" * WIDTH
+MAX_POSITION = 10**WIDTH - 1
 BEGINNING = "-1"
 NOW = "now"
-_TOKEN = re.compile(r"[0-9a-f]{16}")
+_TOKEN = re.compile(r"0{16}_[0-9]{16}")
 
 
 def encode(position: int) -> str:
-    return f"{position:016x}"
+    return f"{RESERVED}_{position:016d}"
 
 
 def decode(token: str) -> int:
@@ -29,7 +32,7 @@ def decode(token: str) -> int:
             f"offset {token[:80]!r} is not an offset this server issued; use -1, now, "
             "or a Stream-Next-Offset value",
         )
-    return int(token, 16)
+    return int(token[WIDTH + 1 :])
 
 
 def parse_query_offset(values: list[str]) -> str | int | None:

@@ -24,9 +24,9 @@ def stream_dirname(name: str) -> str:
 
 
 def segment_filename(start: int) -> str:
-    """Named by the position of its first byte, in the same 16 hex digits as offsets."""
-    return f"{start:016x}{SEGMENT_SUFFIX}"
+    """Named by the position of its first byte, as the 16 decimal digits that end an offset."""
+    return f"{start:016d}{SEGMENT_SUFFIX}"
 
 
 def segment_start(filename: str) -> int:
-    return int(filename.removesuffix(SEGMENT_SUFFIX), 16)
+    return int(filename.removesuffix(SEGMENT_SUFFIX))
