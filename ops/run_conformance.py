@@ -21,7 +21,7 @@ from pathlib import Path
 from ops.serverproc import ROOT, start
 
 SUITE_DIR = ROOT / "conformance"
-NOT_YET = "Fork - |Reserved subscription APIs"
+NOT_YET = "Reserved subscription APIs"
 
 
 def make_certificates(directory: Path) -> tuple[Path, Path, Path]:

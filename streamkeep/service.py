@@ -24,6 +24,7 @@ from streamkeep.protocol.errors import ProtocolError, bad_request
 from streamkeep.protocol.model import Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
+from streamkeep.storage import forks
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +187,12 @@ class Service:
         if plan.start >= view.tail:
             return ReadView(view, plan.start, [], view.tail, plan.changed)
         # Published bytes never change, so they are read here, outside the actor.
-        result = await plan.log.read(
-            plan.start, self.options.read_chunk_bytes, whole_messages=view.meta.json_mode
+        result = await forks.read_range(
+            self.supervisor.storage,
+            plan.log,
+            plan.start,
+            self.options.read_chunk_bytes,
+            whole_messages=view.meta.json_mode,
         )
         return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)
 

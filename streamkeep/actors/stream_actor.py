@@ -21,7 +21,9 @@ import trio
 from streamkeep.actors.mailbox import ActorGone, Message, Reply
 from streamkeep.protocol import stream as rules
 from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
-from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, StreamMeta
+from streamkeep.protocol.headers import media_type
+from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSpec, StreamMeta
+from streamkeep.storage import forks
 from streamkeep.storage.base import AppendRecord, Commit, StorageFull, StorageUnavailable, StreamLog
 
 if TYPE_CHECKING:
@@ -145,25 +147,56 @@ class StreamActor:
         stream_log = self._storage.open(self.name)
         if stream_log is None:
             raise not_found(self.name)
+        if stream_log.meta.soft_deleted:
+            raise _gone(self.name)
         if stream_log.meta.expired(now):
             log.info("stream %r expired", self.name)
-            await self._delete(stream_log)
+            await self._remove(stream_log)
             raise not_found(self.name)
         stream_log.on_publish = self._notify
         return stream_log
 
-    async def _delete(self, stream_log: StreamLog) -> None:
+    async def _remove(self, stream_log: StreamLog) -> None:
+        """Deletes the stream, or only soft-deletes it while forks still read its data (§4.2)."""
+        if stream_log.meta.fork_count > 0:
+            stream_log.meta.soft_deleted = True
+            try:
+                await self._storage.save_meta(self.name, stream_log.meta)
+            except StorageUnavailable as error:
+                stream_log.meta.soft_deleted = False
+                raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
+            self._notify()
+            return
+        await self._hard_delete(stream_log)
+
+    async def _hard_delete(self, stream_log: StreamLog) -> None:
         try:
             await self._storage.delete(self.name)
         except StorageUnavailable as error:
             raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
         stream_log.on_publish = None
         self._notify()
+        source = stream_log.meta.forked_from
+        if source is not None:
+            # Sources never call their forks, so this call up the chain cannot deadlock.
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._supervisor.call(source, "detach_fork")
+                except ProtocolError:
+                    log.warning("fork %r: its source %r was already gone", self.name, source)
 
     # ---- handlers: each runs inside the actor's task ----------------------------------
 
     async def create(self, spec: CreateSpec) -> tuple[int, StreamView]:
         now = time.time()
+        current = self._storage.open(self.name)
+        if current is not None and current.meta.soft_deleted:
+            raise ProtocolError(
+                409,
+                "stream_soft_deleted",
+                "this path belonged to a stream that was deleted while forks still read it; "
+                "it can be reused once those forks are deleted",
+            )
         try:
             existing = await self._existing(now)
         except ProtocolError:
@@ -173,19 +206,125 @@ class StreamActor:
                 raise ProtocolError(
                     409,
                     "stream_exists",
-                    "the stream exists with another content type, TTL, expiry or closed state",
+                    "the stream exists with another content type, TTL, expiry, closed state or fork source",
                 )
             return 200, self._view(existing)
-        meta = spec.new_meta(self.name, uuid.uuid4().hex[:12], now)
+        if spec.fork is None:
+            meta = spec.new_meta(self.name, uuid.uuid4().hex[:12], now)
+            created = await self._create(meta, spec.messages)
+        else:
+            created = await self._create_fork(spec, now)
+        created.on_publish = self._notify
+        self._notify()
+        return 201, self._view(created)
+
+    async def _create(self, meta: StreamMeta, messages: list[bytes]) -> StreamLog:
         try:
-            created = await self._storage.create(meta, spec.messages)
+            return await self._storage.create(meta, messages)
         except StorageFull as error:
             raise _full(error) from None
         except StorageUnavailable as error:
             raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
-        created.on_publish = self._notify
-        self._notify()
-        return 201, self._view(created)
+
+    async def _create_fork(self, spec: CreateSpec, now: float) -> StreamLog:
+        fork = spec.fork
+        assert fork is not None
+        if fork.source == self.name:
+            raise not_found(fork.source)  # this path holds no stream, so it cannot be the source
+        given = spec.content_type if spec.content_type_given else None
+        source: ForkSource = await self._supervisor.call(fork.source, "attach_fork", fork, given)
+        try:
+            ttl, expires = spec.ttl_seconds, spec.expires_at
+            if ttl is None and expires is None:  # the inheritance table of §4.2
+                if source.ttl_seconds is not None:
+                    ttl = source.ttl_seconds
+                elif source.expires_at is not None and source.expires_at_ts is not None:
+                    expires = (source.expires_at, source.expires_at_ts)
+            meta = StreamMeta(
+                name=self.name,
+                stream_id=uuid.uuid4().hex[:12],
+                content_type=source.content_type,
+                created_at=now,
+                ttl_seconds=ttl,
+                expires_at=expires[0] if expires else None,
+                expires_at_ts=expires[1] if expires else None,
+                closed=spec.closed,
+                last_access=now,
+                forked_from=fork.source,
+                fork_base=source.base,
+                fork_offset=fork.offset_token,
+                fork_sub_offset=fork.sub_offset,
+            )
+            return await self._create(meta, spec.split(source.content_type))
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._supervisor.call(fork.source, "detach_fork")
+                except ProtocolError:
+                    pass
+            raise
+
+    async def attach_fork(self, fork: ForkSpec, content_type: str | None) -> ForkSource:
+        """A new fork of this stream: validate its fork point and count it (runs in the source's actor)."""
+        stream_log = self._storage.open(self.name)
+        if stream_log is None:
+            raise ProtocolError(404, "fork_source_not_found", f"the fork source {self.name!r} does not exist")
+        if stream_log.meta.soft_deleted:
+            raise ProtocolError(409, "fork_source_deleted", f"the fork source {self.name!r} was deleted")
+        stream_log = await self._existing(time.time())
+        meta = stream_log.meta
+        if content_type is not None and media_type(content_type) != media_type(meta.content_type):
+            raise ProtocolError(
+                409,
+                "content_type_mismatch",
+                f"the source holds {meta.content_type!r}, the fork asked for {content_type!r}",
+            )
+        tail = stream_log.published_tail
+        position = tail if fork.offset is None else fork.offset
+        if position > tail:
+            raise bad_request(
+                "fork_offset_out_of_range", "Stream-Fork-Offset is past the end of the source stream"
+            )
+        if meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
+            raise bad_request(
+                "invalid_fork_offset", "Stream-Fork-Offset is not at a message boundary of the source"
+            )
+        base = position
+        if fork.sub_offset:
+            end = forks.next_append_end(self._storage, stream_log, position)
+            if end is None:
+                raise bad_request(
+                    "fork_sub_offset_out_of_range", "the source holds no data past Stream-Fork-Offset"
+                )
+            if meta.json_mode:
+                result = await forks.read_range(
+                    self._storage, stream_log, position, end - position, whole_messages=True, limit=end
+                )
+                if fork.sub_offset > len(result.messages):
+                    raise bad_request(
+                        "fork_sub_offset_out_of_range",
+                        f"Stream-Fork-Sub-Offset {fork.sub_offset} passes the {len(result.messages)} messages "
+                        "of the append at Stream-Fork-Offset",
+                    )
+                base = position + sum(len(m) for m in result.messages[: fork.sub_offset])
+            else:
+                if position + fork.sub_offset > end:
+                    raise bad_request(
+                        "fork_sub_offset_out_of_range",
+                        "Stream-Fork-Sub-Offset passes the end of the append at Stream-Fork-Offset",
+                    )
+                base = position + fork.sub_offset
+        meta.fork_count += 1
+        return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base)
+
+    async def detach_fork(self) -> None:
+        """A fork of this stream is gone; the last one out removes a soft-deleted source."""
+        stream_log = self._storage.open(self.name)
+        if stream_log is None:
+            return
+        stream_log.meta.fork_count = max(0, stream_log.meta.fork_count - 1)
+        if stream_log.meta.soft_deleted and stream_log.meta.fork_count == 0:
+            await self._hard_delete(stream_log)
 
     async def append(self, spec: AppendSpec) -> PendingAppend:
         now = time.time()
@@ -228,7 +367,7 @@ class StreamActor:
             position = start
             if position > view.tail:
                 raise bad_request("offset_out_of_range", "offset is past the end of the stream")
-            if view.meta.json_mode and not stream_log.is_boundary(position):
+            if view.meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
                 raise bad_request("invalid_offset", "offset is not at a message boundary of this JSON stream")
         return ReadPlan(view, position, stream_log, self._changed)
 
@@ -236,7 +375,24 @@ class StreamActor:
         return self._view(await self._existing(time.time()))
 
     async def delete(self) -> None:
-        await self._delete(await self._existing(time.time()))
+        await self._remove(await self._existing(time.time()))
+
+
+@dataclass(frozen=True)
+class ForkSource:
+    """What a fork takes from its source at creation."""
+
+    content_type: str
+    ttl_seconds: int | None
+    expires_at: str | None
+    expires_at_ts: float | None
+    base: int
+
+
+def _gone(name: str) -> ProtocolError:
+    return ProtocolError(
+        410, "stream_deleted", f"stream {name!r} was deleted; only its forks still read its data"
+    )
 
 
 def _full(error: StorageFull) -> ProtocolError:

@@ -10,7 +10,7 @@ from streamkeep.protocol.errors import bad_request
 from streamkeep.protocol.model import Headers
 
 MAX_SAFE_INTEGER = (1 << 53) - 1
-_DECIMAL = re.compile(r"0|[1-9][0-9]*")
+DECIMAL = re.compile(r"0|[1-9][0-9]*")
 _DIGITS = re.compile(r"[0-9]+")
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+")
 DEFAULT_CONTENT_TYPE = "application/octet-stream"
@@ -60,7 +60,7 @@ def ttl_seconds(headers: Headers) -> int | None:
     value = headers.get("stream-ttl")
     if value is None:
         return None
-    if not _DECIMAL.fullmatch(value):
+    if not DECIMAL.fullmatch(value):
         raise bad_request(
             "invalid_ttl",
             "Stream-TTL must be a whole number of seconds without sign, leading zeros or decimals",

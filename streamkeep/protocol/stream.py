@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from streamkeep.protocol import headers as h
 from streamkeep.protocol import jsonmode
 from streamkeep.protocol.errors import ProtocolError, bad_request, conflict
-from streamkeep.protocol.offsets import encode
+from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
+from streamkeep.protocol.offsets import decode, encode
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,16 @@ class StreamMeta:
     last_stream_seq: str | None = None
     # Sliding-TTL clock: the last read or write that reached the server.
     last_access: float = 0.0
+    # Forks (§4.2): the source stream, the position where this stream's own data begins, and the
+    # fork headers as given (for idempotent re-creation).
+    forked_from: str | None = None
+    fork_base: int = 0
+    fork_offset: str | None = None
+    fork_sub_offset: int = 0
+    # Deleted while forks still read its data: 410 to clients, kept for the forks.
+    soft_deleted: bool = False
+    # Live forks that read from this stream (derived, rebuilt at recovery; not persisted).
+    fork_count: int = 0
 
     def expired(self, now: float) -> bool:
         if self.expires_at_ts is not None and now >= self.expires_at_ts:
@@ -55,12 +66,54 @@ class StreamMeta:
 
 
 @dataclass(frozen=True)
+class ForkSpec:
+    source: str
+    offset_token: str | None  # as given, for idempotent re-creation
+    offset: int | None  # None: the source's tail
+    sub_offset: int
+
+    @classmethod
+    def from_headers(cls, headers: h.Headers) -> ForkSpec | None:
+        """The fork headers of a PUT (§4.2), validated; None for a plain create."""
+        source = headers.get("stream-forked-from")
+        offset = headers.get("stream-fork-offset")
+        sub = headers.get("stream-fork-sub-offset")
+        if source is None:
+            if offset is not None or sub is not None:
+                raise bad_request(
+                    "fork_header_alone",
+                    "Stream-Fork-Offset and Stream-Fork-Sub-Offset need Stream-Forked-From",
+                )
+            return None
+        path = source.strip().split("?", 1)[0]
+        if "://" in path:  # a full URL: keep its path
+            path = "/" + path.split("://", 1)[1].partition("/")[2]
+        if not path.startswith(STREAM_PREFIX):
+            raise bad_request(
+                "invalid_fork_source", f"Stream-Forked-From must be a path under {STREAM_PREFIX}"
+            )
+        if sub is not None and not h.DECIMAL.fullmatch(sub):
+            raise bad_request(
+                "invalid_fork_sub_offset", "Stream-Fork-Sub-Offset must be a non-negative whole number"
+            )
+        return cls(
+            source=parse_stream_name(path),
+            offset_token=offset,
+            offset=None if offset is None else decode(offset),
+            sub_offset=int(sub) if sub is not None else 0,
+        )
+
+
+@dataclass(frozen=True)
 class CreateSpec:
     content_type: str
     ttl_seconds: int | None
     expires_at: tuple[str, float] | None
     closed: bool
     messages: list[bytes]
+    body: bytes = b""
+    content_type_given: bool = True
+    fork: ForkSpec | None = None
 
     @classmethod
     def from_request(cls, headers: h.Headers, body: bytes) -> CreateSpec:
@@ -69,13 +122,20 @@ class CreateSpec:
         expires = h.expires_at(headers)
         if ttl is not None and expires is not None:
             raise bad_request("ttl_and_expires_at", "send Stream-TTL or Stream-Expires-At, not both")
-        if not body:
-            messages: list[bytes] = []
-        elif h.is_json(content_type):
-            messages = jsonmode.split_messages(body, allow_empty_array=True)
-        else:
-            messages = [body]
-        return cls(content_type, ttl, expires, h.closed_flag(headers), messages)
+        fork = ForkSpec.from_headers(headers)
+        given = bool((headers.get("content-type") or "").strip())
+        spec = cls(content_type, ttl, expires, h.closed_flag(headers), [], body, given, fork)
+        if fork is None:
+            return replace(spec, messages=spec.split(content_type))
+        return spec
+
+    def split(self, content_type: str) -> list[bytes]:
+        """The initial messages of the body, for a stream of this content type."""
+        if not self.body:
+            return []
+        if h.is_json(content_type):
+            return jsonmode.split_messages(self.body, allow_empty_array=True)
+        return [self.body]
 
     def new_meta(self, name: str, stream_id: str, now: float) -> StreamMeta:
         return StreamMeta(
@@ -91,13 +151,29 @@ class CreateSpec:
         )
 
     def matches(self, meta: StreamMeta) -> bool:
-        """Idempotent PUT: same content type, TTL/expiry and closure status (§5.1)."""
-        return (
-            h.media_type(self.content_type) == h.media_type(meta.content_type)
-            and self.ttl_seconds == meta.ttl_seconds
-            and (self.expires_at[1] if self.expires_at else None) == meta.expires_at_ts
-            and self.closed == meta.closed
-        )
+        """Idempotent PUT: same content type, TTL/expiry, closure status and fork (§5.1, §4.2)."""
+        fork = self.fork
+        if fork is None:
+            if meta.forked_from is not None:
+                return False
+        elif (fork.source, fork.offset_token, fork.sub_offset) != (
+            meta.forked_from,
+            meta.fork_offset,
+            meta.fork_sub_offset,
+        ):
+            return False
+        if (self.content_type_given or fork is None) and h.media_type(self.content_type) != h.media_type(
+            meta.content_type
+        ):
+            return False
+        # A fork that asked for no expiry inherited its source's; any inherited value matches.
+        inherited = fork is not None and self.ttl_seconds is None and self.expires_at is None
+        if not inherited and (
+            self.ttl_seconds != meta.ttl_seconds
+            or (self.expires_at[1] if self.expires_at else None) != meta.expires_at_ts
+        ):
+            return False
+        return self.closed == meta.closed
 
 
 @dataclass(frozen=True)

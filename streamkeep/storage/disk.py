@@ -84,6 +84,19 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Write, fsync, rename over, fsync the directory: the file is old or new, never torn."""
+    staging = directory / f".{name}.tmp"
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(staging, directory / name)
+    _fsync_dir(directory)
+
+
 def _unavailable(error: OSError, what: str) -> StorageUnavailable:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageUnavailable(f"{what}: the disk is full; free space or raise quotas", status=507)
@@ -101,6 +114,11 @@ def encode_meta(meta: StreamMeta) -> bytes:
             "ttl": meta.ttl_seconds,
             "exp": meta.expires_at,
             "exp_ts": meta.expires_at_ts,
+            "from": meta.forked_from,
+            "base": meta.fork_base,
+            "foff": meta.fork_offset,
+            "fsub": meta.fork_sub_offset,
+            "deleted": meta.soft_deleted,
         }
     )
 
@@ -115,6 +133,11 @@ def decode_meta(data: bytes) -> StreamMeta:
         ttl_seconds=raw.get("ttl"),
         expires_at=raw.get("exp"),
         expires_at_ts=raw.get("exp_ts"),
+        forked_from=raw.get("from"),
+        fork_base=raw.get("base") or 0,
+        fork_offset=raw.get("foff"),
+        fork_sub_offset=raw.get("fsub") or 0,
+        soft_deleted=bool(raw.get("deleted")),
     )
 
 
@@ -126,9 +149,9 @@ class DiskLog:
         self.producers: dict[str, ProducerState] = {}
         self.on_publish: Callable[[], None] | None = None
         self.segments: list[Segment] = []
-        self._tail = 0
+        self._tail = meta.fork_base
         # published (durable) state
-        self._pub_tail = 0
+        self._pub_tail = meta.fork_base
         self._pub_closed = False
         self._durable_meta = replace(meta)
         self._durable_producers: dict[str, ProducerState] = {}
@@ -168,8 +191,14 @@ class DiskLog:
     def latest_commit(self) -> Commit:
         return self._latest
 
+    def next_append_end(self, position: int) -> int | None:
+        index = bisect_right(self._rec_starts, position) - 1
+        if index < 0 or position >= self._pub_tail:
+            return None
+        return self._rec_starts[index] + self._rec_lens[index]
+
     def is_boundary(self, position: int) -> bool:
-        if position in (0, self._pub_tail):
+        if position in (self.meta.fork_base, self._pub_tail):
             return True
         index = bisect_right(self._rec_starts, position) - 1
         if index < 0 or position > self._pub_tail:
@@ -223,7 +252,7 @@ class DiskLog:
 
     def submit(self, record: AppendRecord) -> Commit:
         added = sum(len(m) for m in record.messages)
-        self._storage.budget.reserve(self._tail, added)
+        self._storage.budget.reserve(self._tail - self.meta.fork_base, added)
         pending = _Pending(record, self._tail, Commit(), int(time.time() * 1000))
         self._tail += added
         # The record's meta is a fresh copy made for this append; only last_access is ever
@@ -359,7 +388,13 @@ class DiskLog:
         log.error("stream %r: %s", self.meta.name, error)
         self._storage.budget.release(self._tail - self._pub_tail)
         self._tail = self._pub_tail
-        self.meta = replace(self._durable_meta, last_access=self.meta.last_access)
+        # Undo the failed appends only: fork links and soft deletion are not part of them.
+        self.meta = replace(
+            self._durable_meta,
+            last_access=self.meta.last_access,
+            fork_count=self.meta.fork_count,
+            soft_deleted=self.meta.soft_deleted,
+        )
         self.producers = dict(self._durable_producers)
         for item in pending:
             item.commit.fail(error)
@@ -589,20 +624,21 @@ class DiskStorage:
         added = sum(len(m) for m in messages)
         self.budget.reserve(0, added)
         time_ms = int(time.time() * 1000)
-        segment_bytes = fmt.encode_segment_header(meta.name, 0, meta.content_type, meta.stream_id)
+        base = meta.fork_base
+        segment_bytes = fmt.encode_segment_header(meta.name, base, meta.content_type, meta.stream_id)
         header_len = len(segment_bytes)
         initial = None
         if messages or meta.closed:
-            initial = fmt.encode_append(0, time_ms, messages, closes=meta.closed)
+            initial = fmt.encode_append(base, time_ms, messages, closes=meta.closed)
             segment_bytes += initial
         directory = self.streams_dir / layout.stream_dirname(meta.name)
         try:
-            await self.io(self._create_files, directory, encode_meta(meta), segment_bytes)
+            await self.io(self._create_files, directory, encode_meta(meta), segment_bytes, base)
         except OSError as error:
             self.budget.release(added)
             raise _unavailable(error, f"create of {meta.name!r}") from None
         stream_log = DiskLog(self, directory, replace(meta, closed=False))
-        segment = Segment(0, directory / layout.segment_filename(0), header_len, 0)
+        segment = Segment(base, directory / layout.segment_filename(base), header_len, 0)
         stream_log.segments.append(segment)
         if initial is not None:
             record = fmt.decode_at(segment_bytes, header_len)
@@ -612,14 +648,14 @@ class DiskStorage:
         self._logs[meta.name] = stream_log
         return stream_log
 
-    def _create_files(self, directory: Path, meta_bytes: bytes, segment_bytes: bytes) -> None:
+    def _create_files(self, directory: Path, meta_bytes: bytes, segment_bytes: bytes, base: int) -> None:
         """Builds the stream in a temporary directory and renames it into place: all or nothing."""
         if directory.exists():
             raise OSError(errno.EEXIST, f"{directory} exists but holds no loaded stream; see the startup log")
         staging = self.streams_dir / f".tmp-{uuid.uuid4().hex}"
         staging.mkdir()
         _write_file(staging / layout.META, meta_bytes)
-        _write_file(staging / layout.segment_filename(0), segment_bytes)
+        _write_file(staging / layout.segment_filename(base), segment_bytes)
         _fsync_dir(staging)
         os.rename(staging, directory)
         _fsync_dir(self.streams_dir)
@@ -634,7 +670,16 @@ class DiskStorage:
             self._logs[name] = stream_log
             raise _unavailable(error, f"delete of {name!r}") from None
         stream_log.deleted = True
-        self.budget.release(stream_log.tail)
+        self.budget.release(stream_log.tail - stream_log.meta.fork_base)
+
+    async def save_meta(self, name: str, meta: StreamMeta) -> None:
+        stream_log = self._logs.get(name)
+        if stream_log is None:
+            return
+        try:
+            await self.io(_replace_file, stream_log.directory, layout.META, encode_meta(meta))
+        except OSError as error:
+            raise _unavailable(error, f"update of {name!r}") from None
 
     def _delete_files(self, stream_log: DiskLog) -> None:
         """Renames the directory into trash/ first, so a crash mid-delete cannot resurrect it."""
@@ -685,13 +730,46 @@ class DiskStorage:
                 log.error("recovery: skipped %s: %s (left in place for inspection)", entry.path, error)
                 continue
             self._logs[stream_log.meta.name] = stream_log
-            self.budget.total_bytes += stream_log.tail
+            self.budget.total_bytes += stream_log.tail - stream_log.meta.fork_base
             report.streams += 1
             if count % 5000 == 0:
                 log.info("recovery: %d of %d stream directories read", count, len(entries))
+        self._link_forks(report)
         report.bytes = self.budget.total_bytes
         report.seconds = time.monotonic() - started
         return report
+
+    def _link_forks(self, report: RecoveryReport) -> None:
+        """Counts each stream's live forks, and finishes cascading deletes a crash interrupted:
+        a soft-deleted stream that no fork reads any more is removed."""
+        for stream_log in self._logs.values():
+            source = stream_log.meta.forked_from
+            if source is None:
+                continue
+            parent = self._logs.get(source)
+            if parent is None:
+                log.error(
+                    "recovery: fork %r has lost its source %r; its inherited range cannot be read",
+                    stream_log.meta.name,
+                    source,
+                )
+                report.skipped.append(f"{stream_log.meta.name}: source {source!r} missing")
+                continue
+            parent.meta.fork_count += 1
+        removed = True
+        while removed:
+            removed = False
+            for name, stream_log in list(self._logs.items()):
+                if stream_log.meta.soft_deleted and stream_log.meta.fork_count == 0:
+                    self._delete_files(stream_log)
+                    del self._logs[name]
+                    self.budget.total_bytes -= stream_log.tail - stream_log.meta.fork_base
+                    parent = self._logs.get(stream_log.meta.forked_from or "")
+                    if parent is not None:
+                        parent.meta.fork_count -= 1
+                    report.repaired.append(f"{name}: finished deleting (its last fork was gone)")
+                    log.warning("recovery: %s: finished deleting; its last fork was gone", name)
+                    removed = True
 
     def _recover_stream(self, directory: Path, report: RecoveryReport) -> DiskLog:
         meta = decode_meta((directory / layout.META).read_bytes())

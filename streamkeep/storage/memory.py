@@ -19,12 +19,15 @@ class MemoryLog:
         self.producers: dict[str, ProducerState] = {}
         self.on_publish: Callable[[], None] | None = None
         self._messages: list[bytes] = []
-        # _ends[i] is the position just past message i; positions are cumulative stored bytes.
+        # _ends[i] is the position just past message i; positions are cumulative stored bytes,
+        # starting at the fork base (0 for streams that are not forks).
         self._ends: list[int] = []
+        self._append_ends: list[int] = []
+        self._base = meta.fork_base
 
     @property
     def tail(self) -> int:
-        return self._ends[-1] if self._ends else 0
+        return self._ends[-1] if self._ends else self._base
 
     published_tail = tail
 
@@ -34,8 +37,12 @@ class MemoryLog:
 
     pending = 0
 
+    def next_append_end(self, position: int) -> int | None:
+        index = bisect_right(self._append_ends, position)
+        return self._append_ends[index] if index < len(self._append_ends) else None
+
     def is_boundary(self, position: int) -> bool:
-        if position == 0 or position == self.tail:
+        if position == self._base or position == self.tail:
             return True
         index = bisect_right(self._ends, position) - 1
         return index >= 0 and self._ends[index] == position
@@ -44,7 +51,7 @@ class MemoryLog:
         index = bisect_right(self._ends, start)
         if index >= len(self._messages):
             return ReadResult([], self.tail)
-        begin = self._ends[index - 1] if index else 0
+        begin = self._ends[index - 1] if index else self._base
         first = self._messages[index]
         if start > begin:  # inside a byte-stream message: serve its remainder
             first = first[start - begin :]
@@ -63,12 +70,14 @@ class MemoryLog:
         return ReadResult(out, position)
 
     def add(self, messages: list[bytes]) -> int:
-        self._budget.reserve(self.tail, sum(len(m) for m in messages))
+        self._budget.reserve(self.tail - self._base, sum(len(m) for m in messages))
         position = self.tail
         for message in messages:
             position += len(message)
             self._messages.append(message)
             self._ends.append(position)
+        if messages:
+            self._append_ends.append(position)
         return position
 
     def submit(self, record: AppendRecord) -> Commit:
@@ -101,7 +110,10 @@ class MemoryStorage:
     async def delete(self, name: str) -> None:
         log = self._logs.pop(name, None)
         if log is not None:
-            self.budget.release(log.tail)
+            self.budget.release(log.tail - log.meta.fork_base)
+
+    async def save_meta(self, name: str, meta: StreamMeta) -> None:
+        """Nothing to persist: the log holds the same meta object."""
 
     def names(self) -> list[str]:
         return list(self._logs)

@@ -1,0 +1,77 @@
+"""Reads of forked streams (§4.2): below its fork base a fork shows its source's bytes.
+
+Nothing is copied at fork time. A fork's own log starts at its fork base; positions below it are
+read from the source, trimmed at the base, recursively up a chain of forks. These functions work
+on any storage through the `StreamLog` interface.
+"""
+
+from __future__ import annotations
+
+from streamkeep.storage.base import ReadResult, Storage, StorageUnavailable, StreamLog
+
+
+def _source(storage: Storage, log: StreamLog) -> StreamLog:
+    source = storage.open(log.meta.forked_from or "")
+    if source is None:
+        raise StorageUnavailable(
+            f"the source of fork {log.meta.name!r} is missing; see the startup log", status=503
+        )
+    return source
+
+
+async def read_range(
+    storage: Storage,
+    log: StreamLog,
+    start: int,
+    max_bytes: int,
+    *,
+    whole_messages: bool,
+    limit: int | None = None,
+) -> ReadResult:
+    """Messages from `start`, at most up to `limit` (a position), stitched across a fork chain."""
+    meta = log.meta
+    if meta.forked_from is not None and start < meta.fork_base:
+        base = meta.fork_base
+        cap = base if limit is None else min(limit, base)
+        head = await read_range(
+            storage, _source(storage, log), start, max_bytes, whole_messages=whole_messages, limit=cap
+        )
+        used = sum(len(m) for m in head.messages)
+        if head.next_position < base or head.next_position == limit or used >= max_bytes:
+            return head
+        # The inherited range is done and the chunk has room: go on with this fork's own data.
+        rest = await read_range(
+            storage, log, base, max_bytes - used, whole_messages=whole_messages, limit=limit
+        )
+        return ReadResult(head.messages + rest.messages, rest.next_position)
+    result = await log.read(start, max_bytes, whole_messages=whole_messages)
+    if limit is None or result.next_position <= limit:
+        return result
+    kept: list[bytes] = []
+    position = start
+    for message in result.messages:
+        if position + len(message) <= limit:
+            kept.append(message)
+            position += len(message)
+        else:
+            if not whole_messages and position < limit:
+                kept.append(message[: limit - position])
+                position = limit
+            break
+    return ReadResult(kept, position)
+
+
+def is_boundary(storage: Storage, log: StreamLog, position: int) -> bool:
+    meta = log.meta
+    if meta.forked_from is not None and position < meta.fork_base:
+        return is_boundary(storage, _source(storage, log), position)
+    return log.is_boundary(position)
+
+
+def next_append_end(storage: Storage, log: StreamLog, position: int) -> int | None:
+    """The end of the append holding `position`, capped at each fork base on the way down."""
+    meta = log.meta
+    if meta.forked_from is not None and position < meta.fork_base:
+        end = next_append_end(storage, _source(storage, log), position)
+        return None if end is None else min(end, meta.fork_base)
+    return log.next_append_end(position)

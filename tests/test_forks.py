@@ -1,0 +1,128 @@
+"""Forks (§4.2) beyond the conformance suite: deep chains deleted in every order, restarts on disk."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ops.serverproc import ServerProcess, start
+from streamkeep.segments import layout
+
+CT = {"Content-Type": "text/plain"}
+
+
+def fork(client: httpx.Client, name: str, source: str, offset: str | None = None) -> httpx.Response:
+    headers = {**CT, "Stream-Forked-From": f"/v1/stream/{source}"}
+    if offset is not None:
+        headers["Stream-Fork-Offset"] = offset
+    return client.put(f"/v1/stream/{name}", headers=headers)
+
+
+def read(client: httpx.Client, name: str) -> httpx.Response:
+    return client.get(f"/v1/stream/{name}", params={"offset": "-1"})
+
+
+def build_chain(client: httpx.Client, prefix: str) -> None:
+    """a <- b <- c, each with data of its own after its fork point."""
+    assert client.put(f"/v1/stream/{prefix}a", content=b"A1;", headers=CT).status_code == 201
+    client.post(f"/v1/stream/{prefix}a", content=b"A2;", headers=CT)
+    middle = client.head(f"/v1/stream/{prefix}a").headers["stream-next-offset"]
+    client.post(f"/v1/stream/{prefix}a", content=b"A3;", headers=CT)  # after b's fork point: not in b
+    assert fork(client, f"{prefix}b", f"{prefix}a", middle).status_code == 201
+    client.post(f"/v1/stream/{prefix}b", content=b"B1;", headers=CT)
+    assert fork(client, f"{prefix}c", f"{prefix}b").status_code == 201
+    client.post(f"/v1/stream/{prefix}c", content=b"C1;", headers=CT)
+
+
+EXPECTED = {"a": b"A1;A2;A3;", "b": b"A1;A2;B1;", "c": b"A1;A2;B1;C1;"}
+
+
+@pytest.fixture(scope="module", params=["memory", "disk"])
+def fork_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    data = tmp_path_factory.mktemp("forks")
+    process = start("--storage", request.param, "--data-dir", str(data))
+    yield process
+    process.stop()
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations("abc")))
+def test_three_deep_chain_deleted_in_every_order(fork_server: ServerProcess, order: tuple[str, ...]) -> None:
+    prefix = "chain-" + "".join(order) + "-"
+    with httpx.Client(base_url=fork_server.url, timeout=10) as client:
+        build_chain(client, prefix)
+        alive = set("abc")
+        for name in order:
+            assert client.delete(f"/v1/stream/{prefix}{name}").status_code == 204
+            alive.discard(name)
+            for other in "abc":
+                response = read(client, prefix + other)
+                if other in alive:
+                    assert response.status_code == 200 and response.content == EXPECTED[other], (order, other)
+                else:
+                    # Deleted: gone for good (404) or kept for a fork that still reads it (410).
+                    assert response.status_code in (404, 410), (order, other, response.status_code)
+                    assert client.put(f"/v1/stream/{prefix}{other}", headers=CT).status_code in (201, 409)
+                    if response.status_code == 404:
+                        client.delete(f"/v1/stream/{prefix}{other}")
+        # Once every member is deleted, nothing of the chain is left, not even soft-deleted parts.
+        for name in "abc":
+            assert read(client, prefix + name).status_code == 404
+
+
+def test_forks_and_soft_deletes_survive_restarts(tmp_path: Path) -> None:
+    server = start("--storage", "disk", "--data-dir", str(tmp_path))
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        build_chain(client, "r-")
+        assert client.delete("/v1/stream/r-a").status_code == 204  # soft: b and c read it
+        assert client.delete("/v1/stream/r-b").status_code == 204  # soft: c reads it
+    server.stop(signal.SIGKILL)
+    server = start("--storage", "disk", "--data-dir", str(tmp_path))
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            assert read(client, "r-c").content == EXPECTED["c"]
+            assert read(client, "r-a").status_code == 410
+            assert client.put("/v1/stream/r-b", headers=CT).status_code == 409
+            assert client.delete("/v1/stream/r-c").status_code == 204  # the cascade removes b, then a
+            for name in ("r-a", "r-b", "r-c"):
+                assert read(client, name).status_code == 404
+            assert list((tmp_path / layout.STREAMS).iterdir()) == []
+    finally:
+        server.stop()
+
+
+def test_recovery_finishes_a_cascade_a_crash_interrupted(tmp_path: Path) -> None:
+    server = start("--storage", "disk", "--data-dir", str(tmp_path))
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        build_chain(client, "x-")
+        client.delete("/v1/stream/x-a")  # soft-deleted, read by b
+    server.stop(signal.SIGKILL)
+    # A crash after b's own files were removed but before a heard that b was gone:
+    (tmp_path / layout.STREAMS / "x-c").rename(tmp_path / layout.TRASH / "c")
+    (tmp_path / layout.STREAMS / "x-b").rename(tmp_path / layout.TRASH / "b")
+    server = start("--storage", "disk", "--data-dir", str(tmp_path))
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            assert read(client, "x-a").status_code == 404
+        assert any("finished deleting" in line for line in server.output)
+        assert not (tmp_path / layout.STREAMS / "x-a").exists()
+    finally:
+        server.stop()
+
+
+def test_fork_offsets_continue_the_source_offsets(fork_server: ServerProcess) -> None:
+    with httpx.Client(base_url=fork_server.url, timeout=10) as client:
+        client.put("/v1/stream/off-src", content=b"0123456789", headers=CT)
+        forked = fork(client, "off-fork", "off-src")
+        assert (
+            forked.headers["stream-next-offset"]
+            == client.head("/v1/stream/off-src").headers["stream-next-offset"]
+        )
+        client.post("/v1/stream/off-src", content=b"not-in-fork", headers=CT)
+        appended = client.post("/v1/stream/off-fork", content=b"abc", headers=CT)
+        assert appended.headers["stream-next-offset"] == "0000000000000000_0000000000000013"
+        middle = client.get("/v1/stream/off-fork", params={"offset": "0000000000000000_0000000000000005"})
+        assert middle.content == b"56789abc"
