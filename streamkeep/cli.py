@@ -27,12 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", metavar="FILE", help="TOML file with [server], [limits], ... tables")
     for setting in config.SETTINGS:
+        described = f"{setting.help} [{setting.env_var}] (default: {setting.default})"
+        if setting.parse is config.boolean:
+            serve.add_argument(
+                setting.cli_flag,
+                dest=config.cli_dest(setting),
+                action="store_const",
+                const=True,
+                help=described,
+            )
+            continue
         serve.add_argument(
             setting.cli_flag,
             dest=config.cli_dest(setting),
             metavar=setting.name.split("_")[-1].upper(),
             default=None,
-            help=f"{setting.help} [{setting.env_var}] (default: {setting.default})",
+            help=described,
         )
     return parser
 

@@ -42,6 +42,17 @@ def seconds(value: Any) -> float:
     return number
 
 
+def boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
 def positive_int(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a whole number")
@@ -158,6 +169,14 @@ SETTINGS: tuple[Setting, ...] = (
         "HTTP/2 streams one connection may have open at once",
     ),
     Setting("http", "cors_origin", text, "*", "value of Access-Control-Allow-Origin"),
+    Setting(
+        "server",
+        "allow_loopback_webhooks",
+        boolean,
+        False,
+        "let webhook subscriptions call http://localhost and http://127.0.0.x (development only)",
+        flag="--allow-loopback-webhooks",
+    ),
     Setting(
         "http",
         "cache_visibility",

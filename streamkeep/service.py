@@ -25,6 +25,7 @@ from streamkeep.protocol.model import Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
 from streamkeep.storage import forks
+from streamkeep.subscriptions.manager import CONTROL_PREFIX, SubscriptionManager
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Service:
         self._shutdown = trio.Event()
         self._catch_up_cache = CATCH_UP_CACHE.replace("public", options.cache_visibility)
         self.requests_by_http_version: Counter[str] = Counter()
+        self.subscriptions: SubscriptionManager | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -111,6 +113,10 @@ class Service:
             return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
         if path == "/stats" and method == "GET":
             return self._stats()
+        if path.startswith(CONTROL_PREFIX):
+            if self.subscriptions is None:
+                raise ProtocolError(404, "reserved_path", "paths under /v1/stream/__ds/ are reserved")
+            return await self.subscriptions.handle(request)
         if not path.startswith(STREAM_PREFIX):
             raise ProtocolError(
                 404, "not_found", f"no such endpoint; streams live under {STREAM_PREFIX}<name>"

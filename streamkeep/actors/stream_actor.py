@@ -137,6 +137,8 @@ class StreamActor:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+        for listener in self._supervisor.listeners:
+            listener(self.name)
 
     def _view(self, stream_log: StreamLog) -> StreamView:
         meta = rules.copy_meta(stream_log.meta)

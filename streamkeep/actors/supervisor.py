@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +32,9 @@ class Supervisor:
         self._nursery = nursery
         self._actors: dict[str, StreamActor] = {}
         self.spawned = 0
+        # Told the name of every stream that published data, was created or deleted
+        # (subscriptions link and wake on it). Called synchronously: listeners must not block.
+        self.listeners: list[Callable[[str], None]] = []
 
     @property
     def active(self) -> int:

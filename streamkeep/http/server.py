@@ -20,6 +20,8 @@ from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage.base import ByteBudget
 from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.memory import MemoryStorage
+from streamkeep.subscriptions.manager import SubscriptionManager
+from streamkeep.subscriptions.signing import Keys
 
 log = logging.getLogger("streamkeep")
 
@@ -108,6 +110,15 @@ async def serve(settings: SimpleNamespace) -> None:
         storage = await open_storage(settings, nursery)
         service = build_service(settings, nursery, storage)
         nursery.start_soon(service.sweep_expired)
+        state = Path(settings.storage.data_dir) if settings.storage.mode == "disk" else None
+        keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")
+        service.subscriptions = SubscriptionManager(
+            service.supervisor,
+            keys,
+            state_dir=None if state is None else state / "subscriptions",
+            allow_loopback_webhooks=settings.server.allow_loopback_webhooks,
+        )
+        await nursery.start(service.subscriptions.run)
         shutdown = trio.Event()
 
         async def watch_signals() -> None:

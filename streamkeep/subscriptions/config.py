@@ -1,0 +1,142 @@
+"""A subscription's configuration: validation, normalization, the idempotency hash, globs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from streamkeep.protocol.errors import ProtocolError, bad_request
+from streamkeep.protocol.names import check_stream_name
+
+DEFAULT_LEASE_MS = 30_000
+MIN_LEASE_MS = 1_000
+MAX_LEASE_MS = 600_000
+_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+
+
+def check_id(subscription_id: str) -> None:
+    if not _ID.fullmatch(subscription_id):
+        raise bad_request("INVALID_SUBSCRIPTION_ID", "subscription ids are 1-128 of A-Z a-z 0-9 . _ ~ -")
+
+
+@dataclass(frozen=True)
+class SubscriptionConfig:
+    type: str  # "webhook" or "pull-wake"
+    pattern: str | None
+    streams: tuple[str, ...]
+    webhook_url: str | None
+    wake_stream: str | None
+    lease_ttl_ms: int
+    description: str | None
+
+    @classmethod
+    def parse(cls, body: bytes) -> SubscriptionConfig:
+        try:
+            raw = json.loads(body or b"null")
+        except (ValueError, RecursionError):
+            raise bad_request("INVALID_JSON", "the subscription body must be a JSON object") from None
+        if not isinstance(raw, dict):
+            raise bad_request("INVALID_SUBSCRIPTION", "the subscription body must be a JSON object")
+        kind = raw.get("type")
+        if kind not in ("webhook", "pull-wake"):
+            raise bad_request("INVALID_SUBSCRIPTION", "type must be webhook or pull-wake")
+        pattern = raw.get("pattern")
+        if pattern is not None and (not isinstance(pattern, str) or not pattern or len(pattern) > 1024):
+            raise bad_request("INVALID_SUBSCRIPTION", "pattern must be a non-empty glob string")
+        streams = normalize_streams(raw.get("streams", []))
+        if pattern is None and not streams:
+            raise bad_request("INVALID_SUBSCRIPTION", "give a pattern, streams, or both")
+        webhook_url = wake_stream = None
+        if kind == "webhook":
+            webhook = raw.get("webhook")
+            if not isinstance(webhook, dict) or not isinstance(webhook.get("url"), str):
+                raise bad_request("INVALID_SUBSCRIPTION", "a webhook subscription needs webhook.url")
+            webhook_url = webhook["url"]
+        else:
+            wake_stream = raw.get("wake_stream")
+            if not isinstance(wake_stream, str):
+                raise bad_request("INVALID_SUBSCRIPTION", "a pull-wake subscription needs wake_stream")
+            _check_path(wake_stream)
+        lease = raw.get("lease_ttl_ms", DEFAULT_LEASE_MS)
+        if isinstance(lease, bool) or not isinstance(lease, int) or not MIN_LEASE_MS <= lease <= MAX_LEASE_MS:
+            raise bad_request(
+                "INVALID_SUBSCRIPTION", "lease_ttl_ms must be a whole number from 1000 to 600000"
+            )
+        description = raw.get("description")
+        if description is not None and (not isinstance(description, str) or len(description) > 4096):
+            raise bad_request(
+                "INVALID_SUBSCRIPTION", "description must be a string of at most 4096 characters"
+            )
+        return cls(kind, pattern, streams, webhook_url, wake_stream, lease, description)
+
+    def to_json(self) -> dict:
+        return {
+            "type": self.type,
+            "pattern": self.pattern,
+            "streams": list(self.streams),
+            "webhook_url": self.webhook_url,
+            "wake_stream": self.wake_stream,
+            "lease_ttl_ms": self.lease_ttl_ms,
+            "description": self.description,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict) -> SubscriptionConfig:
+        return cls(
+            raw["type"],
+            raw["pattern"],
+            tuple(raw["streams"]),
+            raw["webhook_url"],
+            raw["wake_stream"],
+            raw["lease_ttl_ms"],
+            raw["description"],
+        )
+
+    @property
+    def hash(self) -> str:
+        """The normalized configuration's hash: re-confirmation must match it exactly (§6.2)."""
+        canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def matches(self, path: str) -> bool:
+        return self.pattern is not None and glob_match(self.pattern, path)
+
+
+def normalize_streams(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise bad_request("INVALID_SUBSCRIPTION", "streams must be a list of stream paths")
+    for path in value:
+        _check_path(path)
+    return tuple(sorted(set(value)))
+
+
+def _check_path(path: str) -> None:
+    try:
+        check_stream_name(path)
+    except ProtocolError as error:
+        raise bad_request("INVALID_STREAM_PATH", f"{path[:100]!r}: {error.message}") from None
+
+
+def glob_match(pattern: str, path: str) -> bool:
+    """`*` matches one path segment, `**` zero or more segments (§6.2)."""
+    return _match(pattern.split("/"), path.split("/"))
+
+
+def _match(pattern: list[str], path: list[str]) -> bool:
+    if not pattern:
+        return not path
+    head = pattern[0]
+    if head == "**":
+        return any(_match(pattern[1:], path[i:]) for i in range(len(path) + 1))
+    if not path:
+        return False
+    if head == "*" or head == path[0] or ("*" in head and _segment(head, path[0])):
+        return _match(pattern[1:], path[1:])
+    return False
+
+
+def _segment(pattern: str, segment: str) -> bool:
+    regex = "[^/]*".join(re.escape(part) for part in pattern.split("*"))
+    return re.fullmatch(regex, segment) is not None
