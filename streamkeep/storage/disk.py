@@ -35,6 +35,7 @@ import trio
 from streamkeep.protocol.stream import ProducerMark, ProducerState, StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
+from streamkeep.storage import files
 from streamkeep.storage.base import AppendRecord, ByteBudget, Commit, ReadResult, StorageUnavailable, resolved
 
 log = logging.getLogger(__name__)
@@ -65,36 +66,6 @@ class _WritePlan:
     parts: list[tuple[Segment, int, bytes, bool]] = field(default_factory=list)  # seg, offset, data, new
     # per pending append: its segment, where its payload starts there, and its record header
     entries: list[tuple[Segment, int, dict]] = field(default_factory=list)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_file(directory: Path, name: str, data: bytes) -> None:
-    """Write, fsync, rename over, fsync the directory: the file is old or new, never torn."""
-    staging = directory / f".{name}.tmp"
-    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(staging, directory / name)
-    _fsync_dir(directory)
 
 
 def _unavailable(error: OSError, what: str) -> StorageUnavailable:
@@ -341,7 +312,7 @@ class DiskLog:
                     written.append((segment, offset, True))
                     os.pwrite(fd, data, 0)
                     os.fsync(fd)  # a sealed predecessor and a new file: make both durable now
-                    _fsync_dir(self.directory)
+                    files.fsync_dir(self.directory)
                     if self._write_fd is not None:
                         os.close(self._write_fd)
                     self._write_fd = fd
@@ -654,11 +625,11 @@ class DiskStorage:
             raise OSError(errno.EEXIST, f"{directory} exists but holds no loaded stream; see the startup log")
         staging = self.streams_dir / f".tmp-{uuid.uuid4().hex}"
         staging.mkdir()
-        _write_file(staging / layout.META, meta_bytes)
-        _write_file(staging / layout.segment_filename(base), segment_bytes)
-        _fsync_dir(staging)
+        files.write_new(staging / layout.META, meta_bytes)
+        files.write_new(staging / layout.segment_filename(base), segment_bytes)
+        files.fsync_dir(staging)
         os.rename(staging, directory)
-        _fsync_dir(self.streams_dir)
+        files.fsync_dir(self.streams_dir)
 
     async def delete(self, name: str) -> None:
         stream_log = self._logs.pop(name, None)
@@ -677,7 +648,7 @@ class DiskStorage:
         if stream_log is None:
             return
         try:
-            await self.io(_replace_file, stream_log.directory, layout.META, encode_meta(meta))
+            await self.io(files.replace, stream_log.directory, layout.META, encode_meta(meta))
         except OSError as error:
             raise _unavailable(error, f"update of {name!r}") from None
 
@@ -686,8 +657,8 @@ class DiskStorage:
         stream_log.close_files()
         target = self.trash_dir / uuid.uuid4().hex
         os.rename(stream_log.directory, target)
-        _fsync_dir(self.streams_dir)
-        _fsync_dir(self.trash_dir)
+        files.fsync_dir(self.streams_dir)
+        files.fsync_dir(self.trash_dir)
         shutil.rmtree(target, ignore_errors=True)
 
     # ---- recovery ---------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import secrets
 import time
@@ -31,6 +30,7 @@ from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, bad_request
 from streamkeep.protocol.model import Headers, Request, Response
 from streamkeep.protocol.stream import AppendSpec
+from streamkeep.storage import files
 from streamkeep.subscriptions.config import SubscriptionConfig, check_id, normalize_streams
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.subscriptions.urls import check_webhook_url
@@ -181,7 +181,7 @@ class SubscriptionManager:
         if self.state_dir is None:
             return
         data = cbor2.dumps(sub.to_state())
-        await trio.to_thread.run_sync(_replace, self.state_dir, f"{sub.id}.cbor", data)
+        await trio.to_thread.run_sync(files.replace, self.state_dir, f"{sub.id}.cbor", data)
 
     async def _forget(self, sub: Subscription) -> None:
         if self.state_dir is not None:
@@ -626,20 +626,6 @@ class SubscriptionManager:
                     "lease_ttl_ms": sub.config.lease_ttl_ms,
                 },
             )
-
-
-def _replace(directory: Path, name: str, data: bytes) -> None:
-    staging = directory / f".{name}.tmp"
-    with open(staging, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, directory / name)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: Path) -> None:

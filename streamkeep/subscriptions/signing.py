@@ -6,13 +6,14 @@ import base64
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import time
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from streamkeep.storage import files
 
 
 def b64url(data: bytes) -> str:
@@ -40,9 +41,9 @@ class Keys:
                     serialization.PrivateFormat.PKCS8,
                     serialization.NoEncryption(),
                 )
-                _write_private(key_file, pem)
+                files.write_new(key_file, pem, mode=0o600)
             if not secret_file.exists():
-                _write_private(secret_file, secrets.token_bytes(32))
+                files.write_new(secret_file, secrets.token_bytes(32), mode=0o600)
             loaded = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
             assert isinstance(loaded, Ed25519PrivateKey)
             self._private = loaded
@@ -94,12 +95,3 @@ class Keys:
         if not isinstance(claims.get("e"), int) or claims["e"] < time.time():
             return None
         return claims
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
