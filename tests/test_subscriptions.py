@@ -69,6 +69,15 @@ def test_webhook_url_rules(url: str, loopback_allowed: bool, ok: bool) -> None:
         assert caught.value.code == "WEBHOOK_URL_REJECTED"
 
 
+async def test_host_names_resolving_to_private_addresses_are_refused() -> None:
+    from streamkeep.subscriptions.urls import check_resolved
+
+    with pytest.raises(ProtocolError):
+        await check_resolved("https://localhost/hook", allow_loopback=False)  # resolves to 127.0.0.1
+    await check_resolved("http://localhost:9/hook", allow_loopback=True)
+    await check_resolved("https://127.0.0.1/hook", allow_loopback=False)  # literals: checked at create
+
+
 def test_config_hash_is_normalized() -> None:
     a = SubscriptionConfig.parse(b'{"type":"pull-wake","wake_stream":"w","streams":["b","a","a"]}')
     b = SubscriptionConfig.parse(b'{"streams":["a","b"],"wake_stream":"w","type":"pull-wake"}')

@@ -33,7 +33,7 @@ from streamkeep.protocol.stream import AppendSpec
 from streamkeep.storage import files
 from streamkeep.subscriptions.config import SubscriptionConfig, check_id, normalize_streams
 from streamkeep.subscriptions.signing import Keys
-from streamkeep.subscriptions.urls import check_webhook_url
+from streamkeep.subscriptions.urls import check_resolved, check_webhook_url
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,9 @@ class SubscriptionManager:
         headers = {"Content-Type": "application/json", "Webhook-Signature": self.keys.signature_header(body)}
         done = ok = False
         try:
-            response = await self._http.post(sub.config.webhook_url or "", content=body, headers=headers)
+            url = sub.config.webhook_url or ""
+            await check_resolved(url, allow_loopback=self.allow_loopback)
+            response = await self._http.post(url, content=body, headers=headers)
             ok = 200 <= response.status_code < 300
             if ok:
                 try:
@@ -331,7 +333,7 @@ class SubscriptionManager:
                     done = False
             else:
                 log.warning("subscription %s: webhook answered %d", sub.id, response.status_code)
-        except httpx.HTTPError as error:
+        except (httpx.HTTPError, ProtocolError) as error:
             log.warning("subscription %s: webhook failed: %s", sub.id, error)
         async with sub.lock:
             if sub.deleted or sub.wake is None or sub.wake.wake_id != wake.wake_id:

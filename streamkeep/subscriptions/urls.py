@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit
 
+import trio
+
 from streamkeep.protocol.errors import ProtocolError
 
 
@@ -39,3 +41,25 @@ def check_webhook_url(url: str, *, allow_loopback: bool) -> None:
         raise _rejected(url, "private, link-local and reserved addresses are not allowed")
     if parts.scheme == "http" and not dev_ok:
         raise _rejected(url, "use https:// (plain http is only for loopback in development)")
+
+
+async def check_resolved(url: str, *, allow_loopback: bool) -> None:
+    """Refuses a webhook host name that resolves to a non-public address (checked at each delivery,
+    since DNS answers change). The HTTP client resolves again, so a rebinding attacker with a
+    near-zero TTL still has a small window; an egress proxy closes it fully."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        ipaddress.ip_address(host)
+        return  # literals were checked when the subscription was created
+    except ValueError:
+        pass
+    try:
+        infos = await trio.socket.getaddrinfo(host, parts.port or (443 if parts.scheme == "https" else 80))
+    except OSError as error:
+        raise _rejected(url, f"its host does not resolve ({error})") from None
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0])
+        loopback_ok = allow_loopback and address.is_loopback
+        if not address.is_global and not loopback_ok:
+            raise _rejected(url, f"its host resolves to a non-public address ({address})")
