@@ -86,6 +86,15 @@ def one_of(*choices: str) -> Callable[[Any], str]:
     return check
 
 
+def s3_url(value: Any) -> str:
+    text_value = str(value)
+    if text_value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?", text_value):
+        raise ValueError(
+            "expected s3://BUCKET or s3://BUCKET/PREFIX (bucket names: lower-case, digits, dots, dashes)"
+        )
+    return text_value
+
+
 def existing_file(value: Any) -> str:
     path = Path(str(value)).expanduser()
     if not path.is_file():
@@ -248,6 +257,58 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("storage", "io_threads", positive_int, 32, "worker threads for disk I/O", flag="--io-threads"),
     Setting(
+        "cold",
+        "url",
+        text,
+        "",
+        "S3 bucket for sealed segments, s3://BUCKET/PREFIX (off when empty)",
+        flag="--cold-url",
+    ),
+    Setting(
+        "cold",
+        "endpoint",
+        text,
+        "",
+        "S3 endpoint URL, e.g. http://127.0.0.1:9000 for MinIO (default: $AWS_ENDPOINT_URL, else AWS)",
+        flag="--cold-endpoint",
+    ),
+    Setting(
+        "cold", "region", text, "", "S3 region (default: $AWS_REGION, else us-east-1)", flag="--cold-region"
+    ),
+    Setting(
+        "cold",
+        "create_bucket",
+        boolean,
+        False,
+        "create the bucket if it does not exist",
+        flag="--cold-create-bucket",
+    ),
+    Setting(
+        "cold",
+        "keep_local",
+        boolean,
+        False,
+        "keep uploaded segments on local disk as a cache",
+        flag="--cold-keep-local",
+    ),
+    Setting(
+        "cold",
+        "high_water_bytes",
+        byte_size,
+        8 << 30,
+        "sealed bytes waiting for upload past which appends get 503 + Retry-After",
+        flag="--cold-high-water-bytes",
+    ),
+    Setting(
+        "cold",
+        "cache_bytes",
+        byte_size,
+        64 << 20,
+        "memory cache for cold range reads",
+        flag="--cold-cache-bytes",
+    ),
+    Setting("cold", "transfers", positive_int, 4, "concurrent S3 transfers", flag="--cold-transfers"),
+    Setting(
         "tls",
         "cert",
         existing_file,
@@ -311,6 +372,8 @@ def load(
         if raw is not None:
             setting = next(s for s in SETTINGS if s.name == key or f"{s.section}_{s.name}" == key)
             _apply(values, setting, raw, setting.cli_flag)
+    if values[("cold", "url")] and values[("storage", "mode")] != "disk":
+        raise ConfigError("cold.url needs storage.mode disk: the cold tier archives disk segments")
     if (values[("tls", "cert")] is None) != (values[("tls", "key")] is None):
         raise ConfigError("tls.cert and tls.key go together: give both (--tls-cert and --tls-key) or neither")
     sections: dict[str, dict[str, Any]] = {}

@@ -25,6 +25,7 @@ from streamkeep.protocol.model import Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
 from streamkeep.storage import forks
+from streamkeep.storage.base import StorageUnavailable
 from streamkeep.subscriptions.manager import CONTROL_PREFIX, SubscriptionManager
 
 log = logging.getLogger(__name__)
@@ -193,13 +194,18 @@ class Service:
         if plan.start >= view.tail:
             return ReadView(view, plan.start, [], view.tail, plan.changed)
         # Published bytes never change, so they are read here, outside the actor.
-        result = await forks.read_range(
-            self.supervisor.storage,
-            plan.log,
-            plan.start,
-            self.options.read_chunk_bytes,
-            whole_messages=view.meta.json_mode,
-        )
+        try:
+            result = await forks.read_range(
+                self.supervisor.storage,
+                plan.log,
+                plan.start,
+                self.options.read_chunk_bytes,
+                whole_messages=view.meta.json_mode,
+            )
+        except StorageUnavailable as error:
+            raise ProtocolError(
+                error.status, "storage_unavailable", str(error), [("Retry-After", "1")]
+            ) from None
         return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)
 
     async def _catch_up(self, name: str, start: int | str, request: Request) -> Response:

@@ -351,6 +351,10 @@ class StreamActor:
             commit = stream_log.submit(record)
         except StorageFull as error:
             raise _full(error) from None
+        except StorageUnavailable as error:
+            raise ProtocolError(
+                error.status, "storage_unavailable", str(error), [("Retry-After", "1")]
+            ) from None
         return PendingAppend(commit, outcome)
 
     async def read(self, start: int | str, touch: bool) -> ReadPlan:

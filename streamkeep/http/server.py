@@ -18,6 +18,7 @@ from streamkeep.http.app import create_app
 from streamkeep.http.lean import EdgeLimits, serve_lean
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage.base import ByteBudget
+from streamkeep.storage.cold import ColdConfig
 from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.memory import MemoryStorage
 from streamkeep.subscriptions.manager import SubscriptionManager
@@ -60,6 +61,7 @@ async def open_storage(settings: SimpleNamespace, nursery: trio.Nursery) -> Memo
         segment_max_messages=options.segment_max_messages,
         io_threads=options.io_threads,
         sync_method=options.sync_method,
+        cold=cold_config(settings),
     )
     log.info("recovering streams from %s ...", Path(options.data_dir).resolve())
     report = await storage.start(nursery)
@@ -73,6 +75,22 @@ async def open_storage(settings: SimpleNamespace, nursery: trio.Nursery) -> Memo
         len(report.skipped),
     )
     return storage
+
+
+def cold_config(settings: SimpleNamespace) -> ColdConfig | None:
+    options = settings.cold
+    if not options.url:
+        return None
+    return ColdConfig.from_url(
+        options.url,
+        endpoint=options.endpoint or None,
+        region=options.region or None,
+        create_bucket=options.create_bucket,
+        keep_local=options.keep_local,
+        high_water_bytes=options.high_water_bytes,
+        cache_bytes=options.cache_bytes,
+        transfers=options.transfers,
+    )
 
 
 def build_service(

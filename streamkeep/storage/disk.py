@@ -35,8 +35,9 @@ import trio
 from streamkeep.protocol.stream import ProducerMark, ProducerState, StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
-from streamkeep.storage import files
+from streamkeep.storage import cold, files
 from streamkeep.storage.base import AppendRecord, ByteBudget, Commit, ReadResult, StorageUnavailable, resolved
+from streamkeep.storage.cold import Archiver, ColdConfig, ColdStore
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class Segment:
     path: Path
     size: int  # bytes written and published
     appends: int  # append records in it
+    cold_key: str | None = None  # its object in the bucket, once uploaded and verified
+    local: bool = True  # False once the local copy is gone: reads go to the bucket
 
 
 @dataclass
@@ -140,6 +143,7 @@ class DiskLog:
         self._write_fd: int | None = None
         self.dirty = False
         self.deleted = False
+        self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier
 
     # ---- state views --------------------------------------------------------------------
 
@@ -223,6 +227,11 @@ class DiskLog:
 
     def submit(self, record: AppendRecord) -> Commit:
         added = sum(len(m) for m in record.messages)
+        archiver = self._storage.archiver
+        if archiver is not None and archiver.backlog_bytes > archiver.config.high_water_bytes:
+            raise StorageUnavailable(
+                "sealed segments are waiting for the cold tier (is S3 reachable?); retry shortly", status=503
+            )
         self._storage.budget.reserve(self._tail - self.meta.fork_base, added)
         pending = _Pending(record, self._tail, Commit(), int(time.time() * 1000))
         self._tail += added
@@ -347,6 +356,8 @@ class DiskLog:
         for pending, (segment, payload_at, header) in zip(batch, plan.entries, strict=True):
             if segment is not self.segments[-1]:
                 self.segments.append(segment)  # the first append of a segment this batch rotated to
+                if self._storage.archiver is not None:
+                    self._storage.archiver.kick()
             payload = b"".join(pending.record.messages)
             record = fmt.Record(fmt.KIND_APPEND, header, 0, payload_at, len(payload), payload)
             self.index_record(segment, record, payload)
@@ -423,14 +434,35 @@ class DiskLog:
             segment = self._rec_seg[indexes[0]]
             begin = self._rec_payload_at[indexes[0]]
             end = self._rec_payload_at[indexes[-1]] + self._rec_lens[indexes[-1]]
-            try:
-                data = await self._storage.io(_pread, segment.path, begin, end - begin)
-            except OSError as error:
-                raise _unavailable(error, f"read of {self.meta.name!r}") from None
+            data = await self._read_segment(segment, begin, end - begin)
             for index in indexes:
                 at = self._rec_payload_at[index] - begin
                 found[index] = data[at : at + self._rec_lens[index]]
         return [found[index] for index in range(first, last)]
+
+    async def _read_segment(self, segment: Segment, begin: int, length: int) -> bytes:
+        storage = self._storage
+        if segment.local:
+            try:
+                return await storage.io(_pread, segment.path, begin, length)
+            except FileNotFoundError:
+                if segment.cold_key is None:
+                    raise _unavailable(
+                        OSError("segment file missing"), f"read of {self.meta.name!r}"
+                    ) from None
+                # It moved to the bucket while this read was on its way: read it there.
+            except OSError as error:
+                raise _unavailable(error, f"read of {self.meta.name!r}") from None
+        if storage.archiver is None or segment.cold_key is None:
+            raise StorageUnavailable(
+                f"{segment.path.name} of {self.meta.name!r} is in the cold tier, which is off", status=503
+            )
+        try:
+            return await storage.archiver.read(segment.cold_key, begin, length)
+        except Exception as error:  # S3 down, timeouts, missing objects: never wrong or partial data
+            raise StorageUnavailable(
+                f"the cold tier could not serve {self.meta.name!r}: {error}; retry shortly", status=503
+            ) from None
 
     def close_files(self) -> None:
         if self._write_fd is not None:
@@ -536,6 +568,7 @@ class DiskStorage:
         cache_bytes: int = 256 << 10,
         commit_group: int = 2,
         sync_method: str = "fdatasync",
+        cold: ColdConfig | None = None,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}")
@@ -557,6 +590,8 @@ class DiskStorage:
         self.root_fd = -1
         # syncfs covers every stream of a round in one call, so it needs no parallel groups.
         self.committer = Committer(self, 1 << 30 if sync_method == "syncfs" else commit_group)
+        self.cold_config = cold
+        self.archiver: Archiver | None = None
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -569,6 +604,10 @@ class DiskStorage:
         report = await trio.to_thread.run_sync(self._recover_all)
         self.root_fd = os.open(self.root, os.O_RDONLY)
         nursery.start_soon(self.committer.run)
+        if self.cold_config is not None:
+            store = await trio.to_thread.run_sync(ColdStore, self.cold_config)
+            self.archiver = Archiver(self, store)
+            nursery.start_soon(self.archiver.run)
         if self.fsync == "interval":
             nursery.start_soon(self._sync_loop)
         return report
@@ -587,6 +626,9 @@ class DiskStorage:
 
     def open(self, name: str) -> DiskLog | None:
         return self._logs.get(name)
+
+    def logs(self) -> list[DiskLog]:
+        return list(self._logs.values())
 
     def names(self) -> list[str]:
         return list(self._logs)
@@ -642,6 +684,8 @@ class DiskStorage:
             raise _unavailable(error, f"delete of {name!r}") from None
         stream_log.deleted = True
         self.budget.release(stream_log.tail - stream_log.meta.fork_base)
+        if self.archiver is not None and stream_log.cold_entries:
+            self.archiver.forget([entry["key"] for entry in stream_log.cold_entries])
 
     async def save_meta(self, name: str, meta: StreamMeta) -> None:
         stream_log = self._logs.get(name)
@@ -745,13 +789,30 @@ class DiskStorage:
     def _recover_stream(self, directory: Path, report: RecoveryReport) -> DiskLog:
         meta = decode_meta((directory / layout.META).read_bytes())
         stream_log = DiskLog(self, directory, meta)
-        files = sorted(p for p in directory.iterdir() if p.name.endswith(layout.SEGMENT_SUFFIX))
-        if not files:
+        manifest = {entry["file"]: entry for entry in cold.load_manifest(directory)}
+        stream_log.cold_entries = list(manifest.values())
+        local = {p.name for p in directory.iterdir() if p.name.endswith(layout.SEGMENT_SUFFIX)}
+        names = sorted(local | set(manifest))
+        if not names:
             raise ValueError("no segment files")
-        expected = layout.segment_start(files[0].name)
+        segment_files = [directory / name for name in names]
+        expected = layout.segment_start(names[0])
         last_ms: int | None = None
-        for number, path in enumerate(files):
-            is_last = number == len(files) - 1
+        for number, path in enumerate(segment_files):
+            is_last = number == len(segment_files) - 1
+            entry = manifest.get(path.name)
+            if path.name not in local:  # only in the bucket: its index sidecar stands in for it
+                segment = Segment(expected, path, 0, 0, cold_key=entry["key"], local=False)
+                stream_log.segments.append(segment)
+                for record in cold.read_index(path):
+                    if record.start != expected:
+                        raise fmt.CorruptRecord(f"cold segment {path.name} is out of order")
+                    stream_log.index_record(segment, record, None)
+                    expected += record.payload_len
+                    last_ms = record.time_ms
+                    report.records += 1
+                segment.size = entry["size"]
+                continue
             data = path.read_bytes()
             records, valid, reason = fmt.scan(data, keep_payload=False)
             if not records or records[0].kind != fmt.KIND_SEGMENT or records[0].header.get("s") != expected:
@@ -775,7 +836,7 @@ class DiskStorage:
                     valid,
                     reason,
                 )
-            segment = Segment(expected, path, records[0].end, 0)
+            segment = Segment(expected, path, records[0].end, 0, cold_key=entry["key"] if entry else None)
             stream_log.segments.append(segment)
             for record in records[1:]:
                 if record.kind != fmt.KIND_APPEND or record.start != expected:
