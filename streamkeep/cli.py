@@ -44,12 +44,47 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help=described,
         )
+    archive = commands.add_parser(
+        "archive",
+        help="inspect the cold tier: what is local and what is in the bucket",
+        description="Reads the data directory (and the bucket) directly; the server need not run.",
+    )
+    archive.add_argument(
+        "action", choices=("status", "verify"), help="status: per stream; verify: HEAD every object"
+    )
+    archive.add_argument("--config", metavar="FILE", help="TOML file, as for serve")
+    archive.add_argument("--data-dir", dest="storage_data_dir", default=None)
+    archive.add_argument("--cold-url", dest="cold_url", default=None)
+    archive.add_argument("--cold-endpoint", dest="cold_endpoint", default=None)
+    archive.add_argument(
+        "--delete-orphans", action="store_true", help="with verify: delete objects no manifest lists"
+    )
     return parser
+
+
+def _archive(args: argparse.Namespace) -> int:
+    from streamkeep import archive
+
+    cli = {
+        "storage_data_dir": args.storage_data_dir,
+        "cold_url": args.cold_url,
+        "cold_endpoint": args.cold_endpoint,
+    }
+    try:
+        settings = config.load(args.config, cli=cli)
+    except config.ConfigError as error:
+        print(f"streamkeep: configuration error: {error}", file=sys.stderr)
+        return 2
+    if args.action == "status":
+        return archive.status(settings)
+    return archive.verify(settings, delete_orphans=args.delete_orphans)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "archive":
+        return _archive(args)
     if args.command != "serve":
         parser.print_help()
         return 2

@@ -53,6 +53,13 @@ def boolean(value: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+def seconds_or_zero(value: Any) -> float:
+    number = float(value)
+    if not number >= 0 or number == float("inf"):
+        raise ValueError("expected 0 (off) or a positive number of seconds")
+    return number
+
+
 def positive_int(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a whole number")
@@ -254,6 +261,15 @@ SETTINGS: tuple[Setting, ...] = (
         100_000,
         "a segment file is sealed and a new one started past this many appends",
         flag="--segment-max-messages",
+    ),
+    Setting(
+        "storage",
+        "segment_max_age",
+        seconds_or_zero,
+        0.0,
+        "a segment is sealed once its first append is this many seconds old (0: off); with the cold "
+        "tier, idle streams are sealed too, so their data reaches the bucket",
+        flag="--segment-max-age",
     ),
     Setting("storage", "io_threads", positive_int, 32, "worker threads for disk I/O", flag="--io-threads"),
     Setting(

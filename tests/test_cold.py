@@ -194,3 +194,62 @@ def test_deleting_a_stream_deletes_its_objects(tmp_path: Path, moto: Moto) -> No
         wait_until(lambda: moto.keys("archive", prefix) == [], what="the objects to be deleted")
     finally:
         server.stop()
+
+
+def test_archive_status_and_verify_find_orphans(tmp_path: Path, moto: Moto) -> None:
+    server = cold_server(tmp_path, moto)
+    url = f"{server.url}/v1/stream/listed"
+    httpx.put(url, headers=OCTETS)
+    for _ in range(3):
+        httpx.post(url, content=os.urandom(1_100_000), headers=OCTETS, timeout=30)
+    wait_until(lambda: len(local_segments(tmp_path, "listed")) == 1, what="uploads")
+    server.stop()
+    command = [sys.executable, "-m", "streamkeep", "archive"]
+    where = ["--data-dir", str(tmp_path)]
+    bucket = ["--cold-url", "s3://archive/prod", "--cold-endpoint", moto.url]
+    env = {**os.environ, **CREDENTIALS}
+    status = subprocess.run([*command, "status", *where], capture_output=True, text=True, env=env, timeout=60)
+    assert status.returncode == 0 and "listed" in status.stdout and "2 segments cold" in status.stdout
+    boto3.client(
+        "s3",
+        endpoint_url=moto.url,
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    ).put_object(Bucket="archive", Key="prod/streams/ghost/x.seg", Body=b"x")
+    verify = subprocess.run(
+        [*command, "verify", *where, *bucket], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert verify.returncode == 0 and "0 problems; 1 orphaned objects" in verify.stdout
+    cleaned = subprocess.run(
+        [*command, "verify", *where, *bucket, "--delete-orphans"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert "deleted 1 orphaned objects" in cleaned.stdout
+    assert moto.keys("archive", "prod/streams/ghost/") == []
+
+
+def test_idle_streams_are_sealed_by_age_and_reach_the_bucket(tmp_path: Path, moto: Moto) -> None:
+    server = cold_server(tmp_path, moto, "--segment-max-age", "1")
+    url = f"{server.url}/v1/stream/quiet"
+    try:
+        httpx.put(url, headers=OCTETS)
+        httpx.post(url, content=b"small and idle", headers=OCTETS)  # far below the size limit
+        wait_until(
+            lambda: len(moto.keys("archive", "prod/streams/quiet/")) == 1, timeout=20, what="age sealing"
+        )
+        wait_until(
+            lambda: [p.name for p in local_segments(tmp_path, "quiet")] == [f"{14:016d}.seg"],
+            timeout=20,
+            what="the local copy to go",
+        )
+        assert read_all(url) == b"small and idle"
+        assert httpx.post(url, content=b"; more", headers=OCTETS).status_code == 204
+        server.stop(signal.SIGKILL)
+        server = cold_server(tmp_path, moto)
+        assert read_all(f"{server.url}/v1/stream/quiet") == b"small and idle; more"
+    finally:
+        server.stop()

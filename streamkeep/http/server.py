@@ -62,6 +62,7 @@ async def open_storage(settings: SimpleNamespace, nursery: trio.Nursery) -> Memo
         io_threads=options.io_threads,
         sync_method=options.sync_method,
         cold=cold_config(settings),
+        segment_max_age=options.segment_max_age,
     )
     log.info("recovering streams from %s ...", Path(options.data_dir).resolve())
     report = await storage.start(nursery)

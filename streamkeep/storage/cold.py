@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import random
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,6 +254,13 @@ class Archiver:
                 await self._wake.wait()
 
     async def pass_once(self) -> None:
+        max_age = self.storage.segment_max_age
+        if max_age:
+            now_ms = time.time() * 1000
+            for stream_log in list(self.storage.logs()):
+                active = stream_log.segments[-1]
+                if active.first_ms is not None and now_ms - active.first_ms >= max_age * 1000:
+                    await stream_log.seal_idle()
         backlog = 0
         for stream_log in list(self.storage.logs()):
             for segment in stream_log.segments[:-1]:

@@ -52,6 +52,7 @@ class Segment:
     appends: int  # append records in it
     cold_key: str | None = None  # its object in the bucket, once uploaded and verified
     local: bool = True  # False once the local copy is gone: reads go to the bucket
+    first_ms: int | None = None  # append time of its first record: the segment's age
 
 
 @dataclass
@@ -144,6 +145,7 @@ class DiskLog:
         self.dirty = False
         self.deleted = False
         self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier
+        self._sealing = False
 
     # ---- state views --------------------------------------------------------------------
 
@@ -198,6 +200,8 @@ class DiskLog:
         lengths = record.message_lengths
         self._rec_messages.append(lengths if len(lengths) > 1 else None)
         self._pub_tail = record.start + record.payload_len
+        if segment.appends == 0:
+            segment.first_ms = record.time_ms
         segment.appends += 1
         segment.size = record.end
         producer = record.producer
@@ -247,8 +251,8 @@ class DiskLog:
 
     def take_batch(self) -> tuple[list[_Pending], _WritePlan] | None:
         """For the committer: everything queued since the last round, laid out for writing."""
-        if not self._queue:
-            return None
+        if not self._queue or self._sealing:
+            return None  # a seal in progress wakes the committer again when it is done
         batch, self._queue = self._queue, []
         if self.deleted:  # deleted meanwhile: those appends happened before the delete
             for pending in batch:
@@ -273,8 +277,16 @@ class DiskLog:
         buffer: list[bytes] = []
         offset = size
         new = False
+        too_old = (
+            storage.segment_max_age
+            and segment.first_ms is not None
+            and (time.time() * 1000 - segment.first_ms >= storage.segment_max_age * 1000)
+        )
         for pending in batch:
-            if appends and (size >= storage.segment_max_bytes or appends >= storage.segment_max_messages):
+            if appends and (
+                size >= storage.segment_max_bytes or appends >= storage.segment_max_messages or too_old
+            ):
+                too_old = False
                 if buffer:
                     plan.parts.append((segment, offset, b"".join(buffer), new))
                 segment = Segment(
@@ -346,6 +358,35 @@ class DiskLog:
             raise
         if not sync:
             self.dirty = True
+
+    async def seal_idle(self) -> bool:
+        """Seals the active segment of a stream nobody is appending to (for --segment-max-age):
+        a new, empty segment takes its place, so the old one can move to the cold tier."""
+        active = self.segments[-1]
+        if self._queue or self._committing or self._sealing or not active.appends or self.deleted:
+            return False
+        self._sealing = True
+        try:
+            start = self._pub_tail
+            segment = Segment(start, self.directory / layout.segment_filename(start), 0, 0)
+            header = fmt.encode_segment_header(
+                self.meta.name, start, self.meta.content_type, self.meta.stream_id
+            )
+            await self._storage.io(self._start_segment, segment, header)
+            segment.size = len(header)
+            self.segments.append(segment)
+        finally:
+            self._sealing = False
+            if self._queue:
+                self._storage.committer.wake(self)
+        return True
+
+    def _start_segment(self, segment: Segment, header: bytes) -> None:
+        files.write_new(segment.path, header)
+        files.fsync_dir(self.directory)
+        if self._write_fd is not None:
+            os.close(self._write_fd)
+            self._write_fd = None
 
     def _active_fd(self, segment: Segment) -> int:
         if self._write_fd is None:
@@ -569,6 +610,7 @@ class DiskStorage:
         commit_group: int = 2,
         sync_method: str = "fdatasync",
         cold: ColdConfig | None = None,
+        segment_max_age: float = 0.0,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}")
@@ -580,6 +622,7 @@ class DiskStorage:
         self.fsync_interval = fsync_interval
         self.segment_max_bytes = segment_max_bytes
         self.segment_max_messages = segment_max_messages
+        self.segment_max_age = segment_max_age  # seconds; 0 turns age-based sealing off
         self.cache_bytes = cache_bytes
         self._limiter = trio.CapacityLimiter(io_threads)
         self._logs: dict[str, DiskLog] = {}
