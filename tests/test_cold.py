@@ -253,3 +253,24 @@ def test_idle_streams_are_sealed_by_age_and_reach_the_bucket(tmp_path: Path, mot
         assert read_all(f"{server.url}/v1/stream/quiet") == b"small and idle; more"
     finally:
         server.stop()
+
+
+def test_forks_read_inherited_ranges_from_the_bucket(tmp_path: Path, moto: Moto) -> None:
+    server = cold_server(tmp_path, moto)
+    url = f"{server.url}/v1/stream/origin"
+    try:
+        httpx.put(url, headers=OCTETS)
+        history = [os.urandom(1_100_000) for _ in range(3)]
+        for chunk in history:
+            httpx.post(url, content=chunk, headers=OCTETS, timeout=30)
+        wait_until(
+            lambda: len(local_segments(tmp_path, "origin")) == 1, what="the origin's segments to move out"
+        )
+        fork = httpx.put(
+            f"{server.url}/v1/stream/branch", headers={**OCTETS, "Stream-Forked-From": "/v1/stream/origin"}
+        )
+        assert fork.status_code == 201
+        httpx.post(f"{server.url}/v1/stream/branch", content=b"own", headers=OCTETS)
+        assert read_all(f"{server.url}/v1/stream/branch") == b"".join(history) + b"own"
+    finally:
+        server.stop()
