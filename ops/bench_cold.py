@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 
 from ops.serverproc import start
-from tests.test_cold import CREDENTIALS, OCTETS, Moto, local_segments, wait_until
+from tests.conftest import segment_files
+from tests.test_cold import CREDENTIALS, OCTETS, Moto, wait_until
 
 
 def catch_up(url: str) -> tuple[int, float]:
@@ -64,7 +65,7 @@ def main() -> int:
                 block = os.urandom(1 << 20)
                 for _ in range(args.mib):
                     httpx.post(f"{server.url}/v1/stream/cold", content=block, headers=OCTETS, timeout=60)
-                wait_until(lambda: len(local_segments(Path(tmp), "cold")) == 1, timeout=300, what="upload")
+                wait_until(lambda: len(segment_files(Path(tmp), "cold")) == 1, timeout=300, what="upload")
                 # The hot stream is written after the archiver is done, in one segment kept local.
                 server.stop()
                 server = start(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ops.client import read_all
 from ops.serverproc import start
 
 CT = {"Content-Type": "text/plain"}
@@ -90,17 +91,6 @@ def check_stream(client: httpx.Client, writer: Writer) -> None:
     missing = set(writer.acked) - set(stored)
     if missing:
         raise AssertionError(f"{writer.stream}: acknowledged appends lost: {sorted(missing)}")
-
-
-def read_all(client: httpx.Client, stream: str) -> bytes:
-    body, offset = b"", "-1"
-    while True:
-        response = client.get(stream, params={"offset": offset})
-        response.raise_for_status()
-        body += response.content
-        offset = response.headers["stream-next-offset"]
-        if response.headers.get("stream-up-to-date") == "true":
-            return body
 
 
 def run(kills: int, writers: int, seed: int, log=print) -> None:  # type: ignore[no-untyped-def]

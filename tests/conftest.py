@@ -11,6 +11,7 @@ import pytest
 
 from ops.run_conformance import make_certificates
 from ops.serverproc import ServerProcess, start
+from streamkeep.segments import layout
 
 FAST = [
     "--storage",
@@ -62,3 +63,8 @@ def assert_alive(server: ServerProcess) -> None:
     assert server.alive, "server died:\n" + "".join(server.output[-50:])
     response = httpx.get(f"{server.url}/healthz", timeout=5)
     assert response.status_code == 200 and response.text == "ok"
+
+
+def segment_files(data_dir: Path, name: str) -> list[Path]:
+    """A stream's local segment files under a data directory, in stream order."""
+    return sorted((data_dir / layout.STREAMS / layout.stream_dirname(name)).glob("*" + layout.SEGMENT_SUFFIX))

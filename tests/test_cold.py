@@ -18,8 +18,9 @@ import boto3
 import httpx
 import pytest
 
+from ops.client import read_all as client_read_all
 from ops.serverproc import ServerProcess, start
-from streamkeep.segments import layout
+from tests.conftest import segment_files
 
 OCTETS = {"Content-Type": "application/octet-stream"}
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1"}
@@ -94,19 +95,8 @@ def cold_server(data: Path, moto: Moto, *extra: str) -> ServerProcess:
 
 
 def read_all(url: str, offset: str = "-1") -> bytes:
-    body = b""
     with httpx.Client(timeout=30) as client:
-        while True:
-            response = client.get(url, params={"offset": offset})
-            assert response.status_code == 200, response.text
-            body += response.content
-            offset = response.headers["stream-next-offset"]
-            if response.headers.get("stream-up-to-date") == "true":
-                return body
-
-
-def local_segments(data: Path, name: str) -> list[Path]:
-    return sorted((data / layout.STREAMS / layout.stream_dirname(name)).glob("*.seg"))
+        return client_read_all(client, url, offset)
 
 
 def wait_until(predicate, timeout: float = 60, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +119,7 @@ def test_fifty_megabytes_move_to_the_bucket_and_read_back_identically(tmp_path: 
                 assert client.post(f"/v1/stream/{name}", content=chunk, headers=OCTETS).status_code == 204
             written[name] = b"".join(chunks)
     for name in written:
-        wait_until(lambda name=name: len(local_segments(tmp_path, name)) == 1, what=f"{name} to move out")
+        wait_until(lambda name=name: len(segment_files(tmp_path, name)) == 1, what=f"{name} to move out")
     objects = moto.keys("archive", "prod/streams/")
     assert len(objects) >= 5 * 9 and all(key.endswith(".seg") for key in objects)
     server.stop(signal.SIGKILL)
@@ -155,7 +145,7 @@ def test_s3_outage_keeps_appends_and_hot_reads_going_and_rotation_retries(tmp_pa
         first = os.urandom(1_500_000)
         httpx.post(url, content=first, headers=OCTETS)  # segment 1 (sealed at the next append)
         httpx.post(url, content=b"x" * 10, headers=OCTETS)
-        wait_until(lambda: len(local_segments(tmp_path, "outage")) == 1, what="the first segment to move out")
+        wait_until(lambda: len(segment_files(tmp_path, "outage")) == 1, what="the first segment to move out")
         moto.stop()  # S3 goes away, taking its objects with it (moto keeps them in memory)
         appended = b""
         statuses = []
@@ -175,7 +165,7 @@ def test_s3_outage_keeps_appends_and_hot_reads_going_and_rotation_retries(tmp_pa
         cold_read = httpx.get(url, params={"offset": "-1"}, timeout=60)
         assert cold_read.status_code == 503 and cold_read.headers["retry-after"] == "1"  # never partial data
         moto.start()  # an empty S3 again: the bucket is re-created and the backlog uploaded
-        wait_until(lambda: len(local_segments(tmp_path, "outage")) == 1, what="the backlog to move out")
+        wait_until(lambda: len(segment_files(tmp_path, "outage")) == 1, what="the backlog to move out")
         assert httpx.post(url, content=b"after", headers=OCTETS).status_code == 204
     finally:
         server.stop()
@@ -202,7 +192,7 @@ def test_archive_status_and_verify_find_orphans(tmp_path: Path, moto: Moto) -> N
     httpx.put(url, headers=OCTETS)
     for _ in range(3):
         httpx.post(url, content=os.urandom(1_100_000), headers=OCTETS, timeout=30)
-    wait_until(lambda: len(local_segments(tmp_path, "listed")) == 1, what="uploads")
+    wait_until(lambda: len(segment_files(tmp_path, "listed")) == 1, what="uploads")
     server.stop()
     command = [sys.executable, "-m", "streamkeep", "archive"]
     where = ["--data-dir", str(tmp_path)]
@@ -242,7 +232,7 @@ def test_idle_streams_are_sealed_by_age_and_reach_the_bucket(tmp_path: Path, mot
             lambda: len(moto.keys("archive", "prod/streams/quiet/")) == 1, timeout=20, what="age sealing"
         )
         wait_until(
-            lambda: [p.name for p in local_segments(tmp_path, "quiet")] == [f"{14:016d}.seg"],
+            lambda: [p.name for p in segment_files(tmp_path, "quiet")] == [f"{14:016d}.seg"],
             timeout=20,
             what="the local copy to go",
         )
@@ -264,7 +254,7 @@ def test_forks_read_inherited_ranges_from_the_bucket(tmp_path: Path, moto: Moto)
         for chunk in history:
             httpx.post(url, content=chunk, headers=OCTETS, timeout=30)
         wait_until(
-            lambda: len(local_segments(tmp_path, "origin")) == 1, what="the origin's segments to move out"
+            lambda: len(segment_files(tmp_path, "origin")) == 1, what="the origin's segments to move out"
         )
         fork = httpx.put(
             f"{server.url}/v1/stream/branch", headers={**OCTETS, "Stream-Forked-From": "/v1/stream/origin"}

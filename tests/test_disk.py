@@ -12,12 +12,14 @@ import pytest
 import trio
 
 from ops import crash_test
+from ops.client import read_all as client_read_all
 from ops.serverproc import ServerProcess, start
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 from streamkeep.storage.base import AppendRecord, ByteBudget, StorageUnavailable
 from streamkeep.storage.disk import DiskStorage
+from tests.conftest import segment_files
 
 CT = {"Content-Type": "text/plain"}
 
@@ -27,24 +29,8 @@ def disk_server(data_dir: Path, *extra: str) -> ServerProcess:
 
 
 def read_all(url: str, offset: str = "-1") -> bytes:
-    with httpx.Client(timeout=10) as client:
-        return _read(client, url, offset)
-
-
-def _read(client: httpx.Client, url: str, offset: str) -> bytes:
-    body = b""
-    while True:
-        response = client.get(url, params={"offset": offset})
-        assert response.status_code == 200, response.text
-        body += response.content
-        offset = response.headers["stream-next-offset"]
-        if response.headers.get("stream-up-to-date") == "true":
-            return body
-
-
-def segment_files(data_dir: Path, name: str) -> list[Path]:
-    directory = data_dir / layout.STREAMS / layout.stream_dirname(name)
-    return sorted(directory.glob("*" + layout.SEGMENT_SUFFIX))
+    with httpx.Client(timeout=30) as client:
+        return client_read_all(client, url, offset)
 
 
 def test_twenty_kills_lose_and_duplicate_nothing() -> None:
