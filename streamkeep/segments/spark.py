@@ -1,0 +1,279 @@
+"""A PySpark data source over streamkeep's segment files (hot on local disk, cold in S3).
+
+    from streamkeep.segments import spark as sk
+    sk.register(spark)
+    df = spark.read.format("streamkeep").load("/var/lib/streamkeep")           # a data directory
+    df = spark.read.format("streamkeep").option("endpoint", "http://minio:9000").load("s3://bucket/prefix")
+
+Spark reads the files, not the HTTP API, so analytics never load the server. One partition per
+segment; rows come as Arrow record batches. Options: `streams` (comma-separated names or globs),
+`start_offset` / `end_offset` (offset tokens; segments wholly outside are never opened), and for S3
+`endpoint`, `region`, `access_key`, `secret_key` (else the standard AWS_* variables). A local data
+directory's cold segments are read from its bucket (`cold_url` option, plus the same S3 options).
+Every record's CRC is checked; a damaged sealed segment fails the job naming the file or object.
+S3 access goes through boto3 inside the reader: `s3a://` needs hadoop-aws jars the pyspark wheel
+does not ship.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from streamkeep.segments import format as fmt
+from streamkeep.segments import layout
+
+SCHEMA = (
+    "stream string, offset string, message_index long, append_time timestamp, content_type string, "
+    "producer_id string, producer_epoch long, producer_seq long, payload binary, json string"
+)
+ZERO = "0000000000000000_"
+
+
+def _position(token: str | None) -> int | None:
+    if not token:
+        return None
+    if not token.startswith(ZERO) or len(token) != 33 or not token[17:].isdigit():
+        raise ValueError(f"not a streamkeep offset: {token!r}")
+    return int(token[17:])
+
+
+@dataclass(frozen=True)
+class Segment:
+    stream: str
+    content_type: str
+    start: int
+    next_start: int | None  # where the following segment begins (None: the last one)
+    last: bool  # the segment being appended to: a torn tail there is a write in flight
+    path: str | None = None  # a local file
+    key: str | None = None  # or an object in the bucket
+
+
+def _s3(options: dict[str, str]) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or None,
+        region_name=options.get("region") or os.environ.get("AWS_REGION") or "us-east-1",
+        aws_access_key_id=options.get("access_key") or None,
+        aws_secret_access_key=options.get("secret_key") or None,
+    )
+
+
+def _bucket_prefix(url: str) -> tuple[str, str]:
+    rest = url.removeprefix("s3://")
+    bucket, _, prefix = rest.partition("/")
+    return bucket, prefix.strip("/")
+
+
+def _wanted(name: str, patterns: list[str]) -> bool:
+    return not patterns or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def plan_segments(path: str, options: dict[str, str]) -> list[Segment]:
+    """Every segment to read, pruned by stream selection and offset range."""
+    patterns = [p.strip() for p in (options.get("streams") or "").split(",") if p.strip()]
+    if path.startswith("s3://"):
+        segments = _plan_bucket(path, options, patterns)
+    else:
+        segments = _plan_directory(Path(path), options, patterns)
+    low, high = _position(options.get("start_offset")), _position(options.get("end_offset"))
+    kept = []
+    for segment in segments:
+        if high is not None and segment.start >= high:
+            continue
+        if low is not None and segment.next_start is not None and segment.next_start <= low:
+            continue
+        kept.append(segment)
+    return kept
+
+
+def _plan_directory(root: Path, options: dict[str, str], patterns: list[str]) -> list[Segment]:
+    import cbor2
+
+    streams_dir = root / layout.STREAMS
+    if not streams_dir.is_dir():
+        raise FileNotFoundError(f"{root} is not a streamkeep data directory (no {layout.STREAMS}/)")
+    out: list[Segment] = []
+    for directory in sorted(streams_dir.iterdir()):
+        meta_file = directory / layout.META
+        if directory.name.startswith(".") or not meta_file.exists():
+            continue
+        meta = cbor2.loads(meta_file.read_bytes())
+        if meta.get("deleted") or not _wanted(meta["name"], patterns):
+            continue
+        manifest = {}
+        if (directory / "cold.cbor").exists():
+            manifest = {e["file"]: e for e in cbor2.loads((directory / "cold.cbor").read_bytes())["segments"]}
+        local = {p.name for p in directory.glob("*" + layout.SEGMENT_SUFFIX)}
+        names = sorted(local | set(manifest))
+        for number, name in enumerate(names):
+            start = layout.segment_start(name)
+            following = layout.segment_start(names[number + 1]) if number + 1 < len(names) else None
+            last = following is None
+            if name in local:
+                out.append(
+                    Segment(meta["name"], meta["ct"], start, following, last, path=str(directory / name))
+                )
+            else:
+                out.append(
+                    Segment(meta["name"], meta["ct"], start, following, last, key=manifest[name]["key"])
+                )
+    return out
+
+
+def _plan_bucket(url: str, options: dict[str, str], patterns: list[str]) -> list[Segment]:
+    from urllib.parse import unquote
+
+    bucket, prefix = _bucket_prefix(url)
+    client = _s3(options)
+    root = f"{prefix}/{layout.STREAMS}/" if prefix else f"{layout.STREAMS}/"
+    by_stream: dict[str, list[str]] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root):
+        for item in page.get("Contents", []):
+            directory, _, file = item["Key"][len(root) :].partition("/")
+            if file.endswith(layout.SEGMENT_SUFFIX):
+                by_stream.setdefault(directory, []).append(file)
+    out: list[Segment] = []
+    for directory, names in sorted(by_stream.items()):
+        names.sort()
+        first_key = f"{root}{directory}/{names[0]}"
+        head = client.get_object(Bucket=bucket, Key=first_key, Range="bytes=0-4095")["Body"].read()
+        header = fmt.decode_at(head, 0).header
+        name = header.get("name") or unquote(directory)
+        if not _wanted(name, patterns):
+            continue
+        for number, file in enumerate(names):
+            following = layout.segment_start(names[number + 1]) if number + 1 < len(names) else None
+            out.append(
+                Segment(
+                    name,
+                    header["ct"],
+                    layout.segment_start(file),
+                    following,
+                    False,
+                    key=f"{root}{directory}/{file}",
+                )
+            )
+    return out
+
+
+def segment_rows(segment: Segment, data: bytes, low: int | None, high: int | None) -> dict[str, list]:
+    """The rows of one segment's bytes, as columns."""
+    records, _valid, problem = fmt.scan(data, keep_payload=True)
+    where = segment.path or segment.key
+    if problem is not None and not segment.last:
+        raise OSError(f"streamkeep segment {where} is damaged: {problem}")
+    if not records or records[0].kind != fmt.KIND_SEGMENT:
+        raise OSError(f"streamkeep segment {where} has no header record")
+    json_mode = segment.content_type.split(";")[0].strip().lower() == "application/json"
+    columns: dict[str, list] = {
+        name: []
+        for name in (
+            "stream",
+            "offset",
+            "message_index",
+            "append_time",
+            "content_type",
+            "producer_id",
+            "producer_epoch",
+            "producer_seq",
+            "payload",
+            "json",
+        )
+    }
+    for record in records[1:]:
+        producer = record.producer
+        for index, (position, message) in enumerate(fmt.iter_messages(record)):
+            if (low is not None and position < low) or (high is not None and position >= high):
+                continue
+            columns["stream"].append(segment.stream)
+            columns["offset"].append(f"{ZERO}{position:016d}")
+            columns["message_index"].append(index)
+            columns["append_time"].append(record.time_ms * 1000)
+            columns["content_type"].append(segment.content_type)
+            columns["producer_id"].append(producer[0] if producer else None)
+            columns["producer_epoch"].append(producer[1] if producer else None)
+            columns["producer_seq"].append(producer[2] if producer else None)
+            columns["payload"].append(message)
+            columns["json"].append(message.decode("utf-8") if json_mode else None)
+    return columns
+
+
+def _arrow(columns: dict[str, list]) -> Any:
+    import pyarrow as pa
+
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(columns["stream"], pa.string()),
+            pa.array(columns["offset"], pa.string()),
+            pa.array(columns["message_index"], pa.int64()),
+            pa.array(columns["append_time"], pa.timestamp("us", tz="UTC")),
+            pa.array(columns["content_type"], pa.string()),
+            pa.array(columns["producer_id"], pa.string()),
+            pa.array(columns["producer_epoch"], pa.int64()),
+            pa.array(columns["producer_seq"], pa.int64()),
+            pa.array(columns["payload"], pa.binary()),
+            pa.array(columns["json"], pa.string()),
+        ],
+        names=list(columns),
+    )
+
+
+try:
+    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+except ImportError:  # the server does not need Spark; only this module's Spark half does
+    DataSource = DataSourceReader = InputPartition = object  # type: ignore[assignment,misc]
+
+
+class SegmentPartition(InputPartition):  # type: ignore[misc,valid-type]
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+
+
+class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = dict(options)
+        self.path = self.options.get("path") or ""
+
+    def partitions(self) -> list[SegmentPartition]:
+        return [SegmentPartition(segment) for segment in plan_segments(self.path, self.options)]
+
+    def read(self, partition: SegmentPartition) -> Iterator[Any]:
+        segment = partition.segment
+        if segment.path is not None:
+            data = Path(segment.path).read_bytes()
+        else:
+            bucket = _bucket_prefix(self.path if self.path.startswith("s3://") else self.options["cold_url"])[
+                0
+            ]
+            data = _s3(self.options).get_object(Bucket=bucket, Key=segment.key)["Body"].read()
+        low, high = _position(self.options.get("start_offset")), _position(self.options.get("end_offset"))
+        columns = segment_rows(segment, data, low, high)
+        if columns["stream"]:
+            yield _arrow(columns)
+
+
+class StreamkeepDataSource(DataSource):  # type: ignore[misc,valid-type]
+    @classmethod
+    def name(cls) -> str:
+        return "streamkeep"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def reader(self, schema: Any) -> StreamkeepReader:
+        return StreamkeepReader(self.options)
+
+
+def register(spark: Any) -> None:
+    """Makes `spark.read.format("streamkeep")` available in this session."""
+    spark.dataSource.register(StreamkeepDataSource)
+
+
+__all__ = ["SCHEMA", "StreamkeepDataSource", "plan_segments", "register", "segment_rows"]
