@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart \
-	bench bench-disk bench-recovery bench-cold crash-test h2load venv clean
+	bench bench-disk bench-recovery bench-cold bench-spark crash-test h2load venv clean
 
 venv: $(VENV_STAMP)
 
@@ -65,7 +65,7 @@ $(BENCH_STAMP): ops/bench/package.json ops/bench/package-lock.json
 h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
 
-bench: bench-disk bench-recovery bench-cold
+bench: bench-disk bench-recovery bench-cold bench-spark
 
 bench-disk: $(VENV_STAMP) $(BENCH_STAMP) h2load
 	$(PY) -m ops.bench_disk
@@ -75,6 +75,9 @@ bench-recovery: $(VENV_STAMP)
 
 bench-cold: $(VENV_STAMP)
 	$(PY) -m ops.bench_cold
+
+bench-spark: $(VENV_STAMP)
+	$(PY) -m ops.bench_spark
 
 ## The kill -9 crash test on its own (it also runs inside `make unit`).
 crash-test: $(VENV_STAMP)

@@ -147,3 +147,150 @@ def test_a_damaged_sealed_segment_fails_the_job_naming_it(spark, tmp_path: Path)
     with pytest.raises(Exception) as caught:
         spark.read.format("streamkeep").load(str(tmp_path)).collect()
     assert sealed.name in str(caught.value) and "damaged" in str(caught.value)
+
+
+def test_streaming_picks_up_new_sealed_segments_and_resumes(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from ops.serverproc import start
+
+    data, out, checkpoint = tmp_path / "data", tmp_path / "out", tmp_path / "checkpoint"
+    server = start("--storage", "disk", "--data-dir", str(data), "--segment-max-messages", "2")
+    url = f"{server.url}/v1/stream/live"
+
+    def append(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            assert (
+                httpx.post(url, content=b"m%02d" % i, headers={"Content-Type": "text/plain"}).status_code
+                == 204
+            )
+
+    def run_query() -> list[str]:
+        query = (
+            spark.readStream.format("streamkeep")
+            .load(str(data))
+            .writeStream.format("parquet")
+            .option("path", str(out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+        return sorted(bytes(r.payload).decode() for r in spark.read.parquet(str(out)).collect())
+
+    try:
+        httpx.put(url, headers={"Content-Type": "text/plain"})
+        append(0, 5)  # sealed: m00-m03; m04 is in the open segment
+        assert run_query() == [f"m{i:02d}" for i in range(4)]
+        append(5, 4)  # sealed now: m00-m07
+        assert run_query() == [f"m{i:02d}" for i in range(8)]  # a restarted query: each message once
+    finally:
+        server.stop()
+
+
+def _fold(messages: list) -> dict[tuple[str, str], object]:
+    """The State Protocol applied the plain way, one message after another (seed 001 §5-6)."""
+    state: dict[tuple[str, str], object] = {}
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        headers = message.get("headers", {})
+        if headers.get("control") == "reset":
+            state.clear()
+            continue
+        kind, key, operation = message.get("type"), message.get("key"), headers.get("operation")
+        if not (isinstance(kind, str) and kind and isinstance(key, str) and key):
+            continue  # a change needs a non-empty type and key
+        if operation in ("insert", "update") and "value" in message:
+            state[(kind, key)] = message["value"]
+        elif operation == "delete":
+            state.pop((kind, key), None)
+    return state
+
+
+def test_state_protocol_job_matches_a_sequential_fold(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from ops.serverproc import start
+    from ops.spark import state_materialize
+
+    rng = __import__("random").Random(7)
+    data = tmp_path / "data"
+    server = start("--storage", "disk", "--data-dir", str(data), "--segment-max-messages", "7")
+    streams: dict[str, list] = {"state/users": [], "state/orders": []}
+    try:
+        for name in streams:
+            httpx.put(f"{server.url}/v1/stream/{name}", headers={"Content-Type": "application/json"})
+        for step in range(300):
+            name = rng.choice(list(streams))
+            roll = rng.random()
+            key = f"k{rng.randrange(12)}"
+            if roll < 0.55:
+                message: object = {
+                    "type": "row",
+                    "key": key,
+                    "value": {"v": step},
+                    "headers": {"operation": rng.choice(["insert", "update"])},
+                }
+            elif roll < 0.8:
+                message = {"type": "row", "key": key, "headers": {"operation": "delete"}}
+            elif roll < 0.83:
+                message = {"headers": {"control": "reset"}}
+            elif roll < 0.9:
+                message = {"headers": {"control": "snapshot-start"}}
+            else:
+                message = rng.choice(
+                    [
+                        {"type": "row", "key": key},
+                        {"headers": {"operation": "upsert"}},
+                        {"type": "", "key": key, "value": 1, "headers": {"operation": "insert"}},
+                        42,
+                    ]
+                )
+            streams[name].append(message)
+            body = json.dumps([message])
+            assert (
+                httpx.post(
+                    f"{server.url}/v1/stream/{name}",
+                    content=body,
+                    headers={"Content-Type": "application/json"},
+                ).status_code
+                == 204
+            )
+    finally:
+        server.stop()
+    out = tmp_path / "state"
+    state, rejected = state_materialize.materialize(
+        spark.read.format("streamkeep").option("streams", "state/*").load(str(data))
+    )
+    state.write.mode("overwrite").parquet(str(out))
+    got = {(r.stream, r.type, r.key): json.loads(r.value) for r in spark.read.parquet(str(out)).collect()}
+    expected = {
+        (name, kind, key): value
+        for name, messages in streams.items()
+        for (kind, key), value in _fold(messages).items()
+    }
+    assert got == expected
+    invalid = sum(
+        1
+        for messages in streams.values()
+        for m in messages
+        if state_materialize.classify(json.dumps(m))[0] == "rejected"
+    )
+    assert rejected == invalid > 0
+
+
+def test_export_job_partitions_by_stream_and_day(tmp_path: Path, spark) -> None:  # type: ignore[no-untyped-def]
+    from ops.serverproc import start
+    from ops.spark import export_parquet
+
+    data = tmp_path / "data"
+    server = start("--storage", "disk", "--data-dir", str(data))
+    for name in ("exp/a", "exp/b"):
+        httpx.put(f"{server.url}/v1/stream/{name}", headers={"Content-Type": "text/plain"})
+        for i in range(3):
+            httpx.post(
+                f"{server.url}/v1/stream/{name}", content=b"%d" % i, headers={"Content-Type": "text/plain"}
+            )
+    server.stop()
+    out = tmp_path / "export"
+    assert export_parquet.main([str(data), str(out)]) == 0
+    partitions = sorted(p.relative_to(out).as_posix() for p in out.glob("stream=*/day=*"))
+    assert len(partitions) == 2 and all(p.count("/") == 1 for p in partitions)
+    assert spark.read.parquet(str(out)).count() == 6

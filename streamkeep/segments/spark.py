@@ -226,14 +226,27 @@ def _arrow(columns: dict[str, list]) -> Any:
 
 
 try:
-    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+    from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 except ImportError:  # the server does not need Spark; only this module's Spark half does
-    DataSource = DataSourceReader = InputPartition = object  # type: ignore[assignment,misc]
+    DataSource = DataSourceReader = DataSourceStreamReader = InputPartition = object  # type: ignore[assignment,misc]
 
 
 class SegmentPartition(InputPartition):  # type: ignore[misc,valid-type]
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
+
+
+def read_partition(path: str, options: dict[str, str], segment: Segment) -> Iterator[Any]:
+    """The Arrow batch of one segment (local file or object), CRCs checked."""
+    if segment.path is not None:
+        data = Path(segment.path).read_bytes()
+    else:
+        bucket = _bucket_prefix(path if path.startswith("s3://") else options["cold_url"])[0]
+        data = _s3(options).get_object(Bucket=bucket, Key=segment.key)["Body"].read()
+    low, high = _position(options.get("start_offset")), _position(options.get("end_offset"))
+    columns = segment_rows(segment, data, low, high)
+    if columns["stream"]:
+        yield _arrow(columns)
 
 
 class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
@@ -245,18 +258,61 @@ class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
         return [SegmentPartition(segment) for segment in plan_segments(self.path, self.options)]
 
     def read(self, partition: SegmentPartition) -> Iterator[Any]:
-        segment = partition.segment
-        if segment.path is not None:
-            data = Path(segment.path).read_bytes()
-        else:
-            bucket = _bucket_prefix(self.path if self.path.startswith("s3://") else self.options["cold_url"])[
-                0
-            ]
-            data = _s3(self.options).get_object(Bucket=bucket, Key=segment.key)["Body"].read()
-        low, high = _position(self.options.get("start_offset")), _position(self.options.get("end_offset"))
-        columns = segment_rows(segment, data, low, high)
-        if columns["stream"]:
-            yield _arrow(columns)
+        return read_partition(self.path, self.options, partition.segment)
+
+
+class StreamkeepStreamReader(DataSourceStreamReader):  # type: ignore[misc,valid-type]
+    """Structured Streaming over sealed segments: each micro-batch reads the segments sealed since
+    the last one. The offset is, per stream, the first segment start not yet read, a plain JSON map
+    Spark checkpoints, so a restarted query continues where it stopped. Option `max_files` caps
+    segments per micro-batch."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = dict(options)
+        self.path = self.options.get("path") or ""
+
+    def _sealed(self) -> list[Segment]:
+        return sorted(
+            (s for s in plan_segments(self.path, self.options) if not s.last),
+            key=lambda s: (s.start, s.stream),
+        )
+
+    def initialOffset(self) -> dict:
+        return {"next": {}}
+
+    def getDefaultReadLimit(self) -> Any:
+        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxFiles
+
+        max_files = self.options.get("max_files")
+        return ReadMaxFiles(int(max_files)) if max_files else ReadAllAvailable()
+
+    def latestOffset(self, start: dict, limit: Any) -> dict:
+        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxFiles
+
+        done = start.get("next", {})
+        fresh = [s for s in self._sealed() if s.start >= done.get(s.stream, 0)]
+        if isinstance(limit, ReadMaxFiles):
+            fresh = fresh[: max(1, limit.max_files)]
+        elif not isinstance(limit, ReadAllAvailable):  # a row limit: one segment is the smallest step
+            fresh = fresh[:1]
+        following = dict(done)
+        for segment in fresh:
+            following[segment.stream] = max(following.get(segment.stream, 0), segment.start + 1)
+        return {"next": following}
+
+    def partitions(self, start: dict, end: dict) -> list[SegmentPartition]:
+        low, high = start.get("next", {}), end.get("next", {})
+        return [
+            SegmentPartition(s)
+            for s in self._sealed()
+            if low.get(s.stream, 0) <= s.start < high.get(s.stream, 0)
+        ]
+
+    def read(self, partition: SegmentPartition) -> Iterator[Any]:
+        return read_partition(self.path, self.options, partition.segment)
+
+    def commit(self, end: dict) -> None:
+        """Nothing to release: sealed segments never change."""
 
 
 class StreamkeepDataSource(DataSource):  # type: ignore[misc,valid-type]
@@ -269,6 +325,9 @@ class StreamkeepDataSource(DataSource):  # type: ignore[misc,valid-type]
 
     def reader(self, schema: Any) -> StreamkeepReader:
         return StreamkeepReader(self.options)
+
+    def streamReader(self, schema: Any) -> StreamkeepStreamReader:
+        return StreamkeepStreamReader(self.options)
 
 
 def register(spark: Any) -> None:
