@@ -163,18 +163,66 @@ def _plan_bucket(url: str, options: dict[str, str], patterns: list[str]) -> list
     return out
 
 
-def segment_rows(segment: Segment, data: bytes, low: int | None, high: int | None) -> dict[str, list]:
-    """The rows of one segment's bytes, as columns."""
+def segment_batch(segment: Segment, data: bytes, low: int | None, high: int | None) -> Any:
+    """One segment's rows as an Arrow RecordBatch, built without a Python step per message.
+
+    Append records are contiguous in stream positions, so the joined payloads of all records are
+    the payload column's data buffer and the cumulative message lengths its offsets; positions,
+    per-append indexes, times and offset strings are derived from those with numpy and Arrow.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     records, _valid, problem = fmt.scan(data, keep_payload=True)
     where = segment.path or segment.key
     if problem is not None and not segment.last:
         raise OSError(f"streamkeep segment {where} is damaged: {problem}")
     if not records or records[0].kind != fmt.KIND_SEGMENT:
         raise OSError(f"streamkeep segment {where} has no header record")
+    appends = [r for r in records[1:] if r.payload_len]
     json_mode = segment.content_type.split(";")[0].strip().lower() == "application/json"
-    columns: dict[str, list] = {
-        name: []
-        for name in (
+    lengths = np.fromiter((n for r in appends for n in r.message_lengths), dtype=np.int64)
+    counts = np.fromiter((len(r.message_lengths) for r in appends), dtype=np.int64, count=len(appends))
+    total = int(lengths.size)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    first = appends[0].start if appends else segment.start
+    positions = first + starts
+    record_first = np.repeat(np.cumsum(counts) - counts, counts)
+    producers = [r.producer for r in appends]
+    column_data = b"".join(r.payload or b"" for r in appends)
+    payload = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(),
+        total,
+        [None, pa.py_buffer(np.concatenate([[0], ends]).astype(np.int64)), pa.py_buffer(column_data)],
+    ).cast(pa.binary())
+    digits = pc.utf8_lpad(pc.cast(pa.array(positions), pa.string()), 16, "0")
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.array(np.full(total, segment.stream, dtype=object), pa.string()),
+            pc.binary_join_element_wise(ZERO, digits, ""),
+            pa.array(np.arange(total) - record_first, pa.int64()),
+            pa.array(np.repeat([r.time_ms * 1000 for r in appends], counts).astype("datetime64[us]")).cast(
+                pa.timestamp("us", tz="UTC")
+            ),
+            pa.array(np.full(total, segment.content_type, dtype=object), pa.string()),
+            pa.array(
+                np.repeat(np.array([p[0] if p else None for p in producers], dtype=object), counts),
+                pa.string(),
+            ),
+            pa.array(
+                np.repeat(np.array([p[1] if p else None for p in producers], dtype=object), counts),
+                pa.int64(),
+            ),
+            pa.array(
+                np.repeat(np.array([p[2] if p else None for p in producers], dtype=object), counts),
+                pa.int64(),
+            ),
+            payload,
+            payload.cast(pa.string()) if json_mode else pa.nulls(total, pa.string()),
+        ],
+        names=[
             "stream",
             "offset",
             "message_index",
@@ -185,44 +233,16 @@ def segment_rows(segment: Segment, data: bytes, low: int | None, high: int | Non
             "producer_seq",
             "payload",
             "json",
-        )
-    }
-    for record in records[1:]:
-        producer = record.producer
-        for index, (position, message) in enumerate(fmt.iter_messages(record)):
-            if (low is not None and position < low) or (high is not None and position >= high):
-                continue
-            columns["stream"].append(segment.stream)
-            columns["offset"].append(f"{ZERO}{position:016d}")
-            columns["message_index"].append(index)
-            columns["append_time"].append(record.time_ms * 1000)
-            columns["content_type"].append(segment.content_type)
-            columns["producer_id"].append(producer[0] if producer else None)
-            columns["producer_epoch"].append(producer[1] if producer else None)
-            columns["producer_seq"].append(producer[2] if producer else None)
-            columns["payload"].append(message)
-            columns["json"].append(message.decode("utf-8") if json_mode else None)
-    return columns
-
-
-def _arrow(columns: dict[str, list]) -> Any:
-    import pyarrow as pa
-
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(columns["stream"], pa.string()),
-            pa.array(columns["offset"], pa.string()),
-            pa.array(columns["message_index"], pa.int64()),
-            pa.array(columns["append_time"], pa.timestamp("us", tz="UTC")),
-            pa.array(columns["content_type"], pa.string()),
-            pa.array(columns["producer_id"], pa.string()),
-            pa.array(columns["producer_epoch"], pa.int64()),
-            pa.array(columns["producer_seq"], pa.int64()),
-            pa.array(columns["payload"], pa.binary()),
-            pa.array(columns["json"], pa.string()),
         ],
-        names=list(columns),
     )
+    if low is not None or high is not None:
+        keep = np.ones(total, dtype=bool)
+        if low is not None:
+            keep &= positions >= low
+        if high is not None:
+            keep &= positions < high
+        batch = batch.filter(pa.array(keep))
+    return batch
 
 
 try:
@@ -244,9 +264,9 @@ def read_partition(path: str, options: dict[str, str], segment: Segment) -> Iter
         bucket = _bucket_prefix(path if path.startswith("s3://") else options["cold_url"])[0]
         data = _s3(options).get_object(Bucket=bucket, Key=segment.key)["Body"].read()
     low, high = _position(options.get("start_offset")), _position(options.get("end_offset"))
-    columns = segment_rows(segment, data, low, high)
-    if columns["stream"]:
-        yield _arrow(columns)
+    batch = segment_batch(segment, data, low, high)
+    if batch.num_rows:
+        yield batch
 
 
 class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
@@ -335,4 +355,4 @@ def register(spark: Any) -> None:
     spark.dataSource.register(StreamkeepDataSource)
 
 
-__all__ = ["SCHEMA", "StreamkeepDataSource", "plan_segments", "register", "segment_rows"]
+__all__ = ["SCHEMA", "StreamkeepDataSource", "plan_segments", "register", "segment_batch"]
