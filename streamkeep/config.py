@@ -207,6 +207,13 @@ SETTINGS: tuple[Setting, ...] = (
         64 << 20,
         "largest request body; larger ones get 413 before they are buffered",
     ),
+    Setting(
+        "limits",
+        "max_inflight_body_bytes",
+        byte_size,
+        512 << 20,
+        "request-body bytes all connections together may have in memory; past it, 503 + Retry-After",
+    ),
     Setting("limits", "max_stream_bytes", byte_size, 1 << 30, "most bytes one stream may hold"),
     Setting("limits", "max_total_bytes", byte_size, 4 << 30, "most bytes all streams together may hold"),
     Setting("limits", "read_chunk_bytes", byte_size, 1 << 20, "largest body one read returns"),
@@ -388,6 +395,8 @@ def load(
         if raw is not None:
             setting = next(s for s in SETTINGS if s.name == key or f"{s.section}_{s.name}" == key)
             _apply(values, setting, raw, setting.cli_flag)
+    if values[("limits", "max_inflight_body_bytes")] < values[("limits", "max_body_bytes")]:
+        raise ConfigError("limits.max_inflight_body_bytes must be at least limits.max_body_bytes")
     if values[("cold", "url")] and values[("storage", "mode")] != "disk":
         raise ConfigError("cold.url needs storage.mode disk: the cold tier archives disk segments")
     if (values[("tls", "cert")] is None) != (values[("tls", "key")] is None):

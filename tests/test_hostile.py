@@ -195,3 +195,83 @@ def test_http11_status_lines_carry_reason_phrases(server: ServerProcess) -> None
     assert status_line(reply) == "HTTP/1.1 200 OK"
     reply = raw_exchange(server, b"GET /v1/stream/absent HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status_line(reply) == "HTTP/1.1 404 Not Found"
+
+
+@pytest.mark.parametrize("edge", ["lean", "quart"])
+def test_bodies_in_flight_are_capped_server_wide(edge: str) -> None:
+    """Three clients each half-send a large body: the one that would pass the cap gets 503 at once."""
+    from ops.serverproc import start
+
+    server = start(
+        "--storage",
+        "memory",
+        "--edge",
+        edge,
+        "--max-body-bytes",
+        "1MiB",
+        "--max-inflight-body-bytes",
+        "2MiB",
+        "--body-timeout",
+        "20",
+    )
+    try:
+        httpx.put(f"{server.url}/v1/stream/budget", headers={"Content-Type": "application/octet-stream"})
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        head = (
+            b"POST /v1/stream/budget HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+            b"Content-Length: 1000000\r\n\r\n"
+        )
+        held = []
+        for _ in range(2):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(head + b"a" * 900_000)  # most of a body, then silence
+            held.append(sock)
+        time.sleep(0.5)
+        third = socket.create_connection((host, int(port)), timeout=10)
+        third.sendall(head + b"b" * 900_000)
+        reply = third.recv(65536)
+        assert status_line(reply).split()[1] == "503" and b"retry-after: 1" in reply.lower()
+        third.close()
+        for sock in held:
+            sock.close()
+        time.sleep(0.5)  # the held bodies are released when their connections end
+        ok = httpx.post(
+            f"{server.url}/v1/stream/budget",
+            content=b"c" * 900_000,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert ok.status_code == 204
+        assert_alive(server)
+    finally:
+        server.stop()
+
+
+def test_http2_bodies_return_their_budget() -> None:
+    """Hundreds of h2c bodies through a 2 MiB budget: any leak would turn into 503s within 20."""
+    from ops.serverproc import start
+
+    server = start("--storage", "memory", "--max-body-bytes", "1MiB", "--max-inflight-body-bytes", "2MiB")
+    try:
+        with httpx.Client(base_url=server.url, http1=False, http2=True, timeout=10) as client:
+            client.put("/v1/stream/h2budget", headers={"Content-Type": "application/octet-stream"})
+            statuses = {
+                client.post(
+                    "/v1/stream/h2budget",
+                    content=b"z" * 100_000,
+                    headers={"Content-Type": "application/octet-stream"},
+                ).status_code
+                for _ in range(300)
+            }
+            too_big = client.post(
+                "/v1/stream/h2budget",
+                content=b"z" * 2_000_000,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            after = client.post(
+                "/v1/stream/h2budget",
+                content=b"z" * 100_000,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        assert statuses == {204} and too_big.status_code == 413 and after.status_code == 204
+    finally:
+        server.stop()

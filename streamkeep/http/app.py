@@ -13,6 +13,7 @@ from quart import Response as QuartResponse
 from quart import request
 from quart_trio import QuartTrio
 
+from streamkeep.http.budget import BodyBudget
 from streamkeep.protocol import responses
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers, Request, Response
@@ -24,7 +25,9 @@ class BodyRejected(Exception):
         self.error = error
 
 
-def create_app(service: Service, *, max_body_bytes: int, body_timeout: float) -> QuartTrio:
+def create_app(
+    service: Service, *, max_body_bytes: int, body_timeout: float, budget: BodyBudget
+) -> QuartTrio:
     app = QuartTrio("streamkeep")
     # Our own limits replace Quart's: its 16 MiB cap and 60 s body/response timeouts would cut
     # large appends and every SSE or long-poll response.
@@ -32,8 +35,15 @@ def create_app(service: Service, *, max_body_bytes: int, body_timeout: float) ->
 
     @app.before_request
     async def data_plane() -> QuartResponse:
+        charged: list[int] = [0]
         try:
-            body = await _read_body(max_body_bytes, body_timeout)
+            return await _handle(charged)
+        finally:
+            budget.release(charged[0])
+
+    async def _handle(charged: list[int]) -> QuartResponse:
+        try:
+            body = await _read_body(max_body_bytes, body_timeout, budget, charged)
         except BodyRejected as rejected:
             response = responses.error(rejected.error)
             response.headers.append(("Connection", "close"))
@@ -54,7 +64,7 @@ def create_app(service: Service, *, max_body_bytes: int, body_timeout: float) ->
     return app
 
 
-async def _read_body(limit: int, timeout: float) -> bytes:
+async def _read_body(limit: int, timeout: float, budget: BodyBudget, charged: list[int]) -> bytes:
     if request.method in ("GET", "HEAD", "OPTIONS", "DELETE") and not request.content_length:
         return b""
     declared = request.content_length
@@ -68,6 +78,11 @@ async def _read_body(limit: int, timeout: float) -> bytes:
                 size += len(chunk)
                 if size > limit:
                     raise BodyRejected(_too_large(limit))
+                try:
+                    budget.charge(len(chunk))
+                except ProtocolError as error:
+                    raise BodyRejected(error) from None
+                charged[0] += len(chunk)
                 chunks.append(chunk)
     except trio.TooSlowError:
         raise BodyRejected(

@@ -20,6 +20,7 @@ from http import HTTPStatus
 import h11
 import trio
 
+from streamkeep.http.budget import BodyBudget
 from streamkeep.http.lean_h2 import H2_PREFACE, serve_h2
 from streamkeep.protocol import responses
 from streamkeep.protocol.errors import ProtocolError
@@ -35,7 +36,10 @@ KEEP_ALIVE_TIMEOUT = 75.0
 
 
 class EdgeLimits:
-    def __init__(self, *, max_body_bytes: int, body_timeout: float, h2_max_concurrent_streams: int) -> None:
+    def __init__(
+        self, *, max_body_bytes: int, body_timeout: float, h2_max_concurrent_streams: int, budget: BodyBudget
+    ) -> None:
+        self.budget = budget
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.h2_max_concurrent_streams = h2_max_concurrent_streams
@@ -175,12 +179,16 @@ async def serve_h11(
         raw_path, _, query = target.partition("?")
         headers = Headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers])
         keep_alive = event.http_version == b"1.1" and (headers.get("connection") or "").lower() != "close"
+        charged: list[int] = [0]
         try:
-            body = await _read_h11_body(conn, event, next_event, stream, limits)
-        except ProtocolError as error:
-            await stream.send_all(_encode(rejection(service, error), False, True))
-            return
-        response = await service.handle(Request(method, raw_path, query, headers, body, scheme, "1.1"))
+            try:
+                body = await _read_h11_body(conn, event, next_event, stream, limits, charged)
+            except ProtocolError as error:
+                await stream.send_all(_encode(rejection(service, error), False, True))
+                return
+            response = await service.handle(Request(method, raw_path, query, headers, body, scheme, "1.1"))
+        finally:
+            limits.budget.release(charged[0])
         if response.stream is None:
             await stream.send_all(_encode(response, method == "HEAD", not keep_alive))
         else:
@@ -198,6 +206,7 @@ async def _read_h11_body(
     next_event: Callable[[float], Awaitable[h11.Event]],
     stream: trio.abc.Stream,
     limits: EdgeLimits,
+    charged: list[int],
 ) -> bytes:
     for name, value in request.headers:
         if name == b"content-length" and value.isdigit() and int(value) > limits.max_body_bytes:
@@ -214,6 +223,8 @@ async def _read_h11_body(
                 size += len(event.data)
                 if size > limits.max_body_bytes:
                     raise too_large(limits.max_body_bytes)
+                limits.budget.charge(len(event.data))
+                charged[0] += len(event.data)
                 chunks.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)

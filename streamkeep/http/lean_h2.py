@@ -114,6 +114,8 @@ class _H2Connection:
                 if waited.cancelled_caught or not data:
                     break
             nursery.cancel_scope.cancel()
+        for state in self.streams.values():
+            self._release(state)
 
     # ---- events from the client -------------------------------------------------------
 
@@ -141,8 +143,10 @@ class _H2Connection:
                     self.start(event.stream_id, state)
             elif isinstance(event, h2.events.StreamReset):
                 state = self.streams.pop(event.stream_id, None)
-                if state is not None and state.scope is not None:
-                    state.scope.cancel()
+                if state is not None:
+                    self._release(state)
+                    if state.scope is not None:
+                        state.scope.cancel()
                 self.wake_senders()
             elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
                 self.wake_senders()
@@ -159,12 +163,18 @@ class _H2Connection:
         state = self.streams.get(event.stream_id)
         if state is None or state.started:
             return
-        state.size += len(event.data)
-        if state.size > self.limits.max_body_bytes:
+        if state.size + len(event.data) > self.limits.max_body_bytes:
             state.rejected = _too_large(self.limits.max_body_bytes)
-            state.chunks = []
+        else:
+            try:
+                self.limits.budget.charge(len(event.data))
+            except ProtocolError as error:
+                state.rejected = error
+        if state.rejected is not None:
+            self._release(state)
             self.start(event.stream_id, state)
             return
+        state.size += len(event.data)
         state.chunks.append(event.data)
 
     async def body_deadline(self, stream_id: int, state: _Stream) -> None:
@@ -175,6 +185,12 @@ class _H2Connection:
                 408, "body_timeout", f"the request body took longer than {timeout:g} s"
             )
             self.start(stream_id, state)
+
+    def _release(self, state: _Stream) -> None:
+        """Gives a stream's buffered body back to the server-wide budget (once)."""
+        self.limits.budget.release(state.size)
+        state.size = 0
+        state.chunks = []
 
     def start(self, stream_id: int, state: _Stream) -> None:
         state.started = True
@@ -205,6 +221,7 @@ class _H2Connection:
             ):
                 pass
             finally:
+                self._release(state)
                 if self.streams.get(stream_id) is state:
                     del self.streams[stream_id]
 
@@ -222,7 +239,6 @@ class _H2Connection:
         raw_path, _, query = target.partition("?")
         method = pseudo.get(b":method", b"GET").decode("ascii", "replace")
         body = b"".join(state.chunks)
-        state.chunks = []
         return Request(method, raw_path, query, Headers(pairs), body, self.scheme, "2")
 
     async def send_response(self, stream_id: int, response: Response, *, head: bool) -> None:

@@ -15,6 +15,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
+from streamkeep.http.budget import BodyBudget
 from streamkeep.http.lean import EdgeLimits, serve_lean
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage.base import ByteBudget
@@ -149,6 +150,7 @@ async def serve(settings: SimpleNamespace) -> None:
                     return
 
         nursery.start_soon(watch_signals)
+        budget = BodyBudget(settings.limits.max_inflight_body_bytes)
 
         async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             if settings.server.edge == "lean":
@@ -156,6 +158,7 @@ async def serve(settings: SimpleNamespace) -> None:
                     max_body_bytes=settings.limits.max_body_bytes,
                     body_timeout=settings.limits.body_timeout,
                     h2_max_concurrent_streams=settings.server.h2_max_concurrent_streams,
+                    budget=budget,
                 )
                 await serve_lean(
                     service,
@@ -174,6 +177,7 @@ async def serve(settings: SimpleNamespace) -> None:
                     service,
                     max_body_bytes=settings.limits.max_body_bytes,
                     body_timeout=settings.limits.body_timeout,
+                    budget=budget,
                 )
                 config = hypercorn_config(settings)
                 await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
