@@ -14,9 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from ops.serverproc import start
 from tests.conftest import segment_files
-from tests.test_cold import CREDENTIALS, OCTETS, Moto, wait_until
+from tests.test_cold import OCTETS, Moto, cold_server, wait_until
 
 
 def catch_up(url: str) -> tuple[int, float]:
@@ -41,23 +40,15 @@ def main() -> int:
     moto.start()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            server = start(
-                "--storage",
-                "disk",
-                "--data-dir",
-                tmp,
-                "--cold-url",
-                "s3://bench/x",
-                "--cold-endpoint",
-                moto.url,
-                "--cold-create-bucket",
+            server = cold_server(
+                Path(tmp),
+                moto,
                 "--segment-max-bytes",
                 "8MiB",
                 "--cold-cache-bytes",
                 "1MiB",
                 "--log-level",
                 "warning",
-                env=CREDENTIALS,
             )
             try:
                 for name in ("hot", "cold"):
@@ -68,22 +59,15 @@ def main() -> int:
                 wait_until(lambda: len(segment_files(Path(tmp), "cold")) == 1, timeout=300, what="upload")
                 # The hot stream is written after the archiver is done, in one segment kept local.
                 server.stop()
-                server = start(
-                    "--storage",
-                    "disk",
-                    "--data-dir",
-                    tmp,
-                    "--cold-url",
-                    "s3://bench/x",
-                    "--cold-endpoint",
-                    moto.url,
+                server = cold_server(
+                    Path(tmp),
+                    moto,
                     "--segment-max-bytes",
                     f"{args.mib + 8}MiB",
                     "--cold-cache-bytes",
                     "1MiB",
                     "--log-level",
                     "warning",
-                    env=CREDENTIALS,
                 )
                 for _ in range(args.mib):
                     httpx.post(f"{server.url}/v1/stream/hot", content=block, headers=OCTETS, timeout=60)

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from ops.serverproc import start
-from tests.test_cold import CREDENTIALS, Moto, wait_until
+from tests.test_cold import CREDENTIALS, Moto, cold_server, wait_until
 
 
 def main() -> int:
@@ -34,22 +33,8 @@ def main() -> int:
     moto.start()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            server = start(
-                "--storage",
-                "disk",
-                "--data-dir",
-                tmp,
-                "--cold-url",
-                "s3://bench/p",
-                "--cold-endpoint",
-                moto.url,
-                "--cold-create-bucket",
-                "--cold-keep-local",
-                "--segment-max-bytes",
-                "4MiB",
-                "--log-level",
-                "warning",
-                env=CREDENTIALS,
+            server = cold_server(
+                Path(tmp), moto, "--cold-keep-local", "--segment-max-bytes", "4MiB", "--log-level", "warning"
             )
             started = time.perf_counter()
             with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -84,7 +69,7 @@ def main() -> int:
             spark = session("streamkeep-bench")
             for label, path, options in (
                 ("local segments", tmp, {}),
-                ("S3 segments", "s3://bench/p", {"endpoint": moto.url}),
+                ("S3 segments", "s3://archive/prod", {"endpoint": moto.url}),
             ):
                 reader = spark.read.format("streamkeep")
                 for key, value in options.items():
