@@ -117,6 +117,11 @@ def test_the_bucket_alone_is_readable(spark, archive) -> None:  # type: ignore[n
     assert rows and expected["blobs"].startswith(payload) and len(payload) < len(expected["blobs"])
 
 
+def test_an_empty_selection_is_an_empty_frame(spark, archive) -> None:  # type: ignore[no-untyped-def]
+    data, moto, _expected = archive
+    assert load(spark, str(data), moto, streams="no-such-stream*").count() == 0
+
+
 def test_streams_and_offsets_are_pushed_down(archive) -> None:  # type: ignore[no-untyped-def]
     data, moto, _expected = archive
     options = {"endpoint": moto.url, "cold_url": "s3://archive/prod"}

@@ -256,8 +256,11 @@ class SegmentPartition(InputPartition):  # type: ignore[misc,valid-type]
         self.segment = segment
 
 
-def read_partition(path: str, options: dict[str, str], segment: Segment) -> Iterator[Any]:
+def read_partition(path: str, options: dict[str, str], partition: Any) -> Iterator[Any]:
     """The Arrow batch of one segment (local file or object), CRCs checked."""
+    segment = getattr(partition, "segment", None)
+    if segment is None:
+        return  # nothing was planned: Spark still calls read() once, with a bare InputPartition
     if segment.path is not None:
         data = Path(segment.path).read_bytes()
     else:
@@ -278,7 +281,7 @@ class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
         return [SegmentPartition(segment) for segment in plan_segments(self.path, self.options)]
 
     def read(self, partition: SegmentPartition) -> Iterator[Any]:
-        return read_partition(self.path, self.options, partition.segment)
+        return read_partition(self.path, self.options, partition)
 
 
 class StreamkeepStreamReader(DataSourceStreamReader):  # type: ignore[misc,valid-type]
@@ -329,7 +332,7 @@ class StreamkeepStreamReader(DataSourceStreamReader):  # type: ignore[misc,valid
         ]
 
     def read(self, partition: SegmentPartition) -> Iterator[Any]:
-        return read_partition(self.path, self.options, partition.segment)
+        return read_partition(self.path, self.options, partition)
 
     def commit(self, end: dict) -> None:
         """Nothing to release: sealed segments never change."""
