@@ -77,7 +77,7 @@ def main() -> int:
                 frame = reader.load(path)
                 frame.selectExpr("count(*)").collect()  # warm up: plan, workers, JIT
                 started = time.perf_counter()
-                rows, size = frame.selectExpr("count(*)", "sum(length(payload))").collect()[0]
+                rows, size = frame.selectExpr("count(*)", "coalesce(sum(length(payload)), 0)").collect()[0]
                 seconds = time.perf_counter() - started
                 print(
                     f"{label}: {rows:,} rows ({size / 2**20:.0f} MiB payload) in {seconds:.2f} s = "
