@@ -236,6 +236,7 @@ def test_segment_files_are_self_describing(tmp_path: Path) -> None:
     assert reason is None
     assert records[0].kind == fmt.KIND_SEGMENT and records[0].header["name"] == "spec"
     assert records[1].payload == b"hello" and records[1].producer == ("p", 3, 0)
+    assert list(fmt.iter_messages(records[1])) == [(0, b"hello")]  # the reader helper the format doc shows
     assert records[2].closes and records[2].payload_len == 0
 
 

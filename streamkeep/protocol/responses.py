@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 
 from streamkeep.protocol import jsonmode
@@ -98,10 +97,6 @@ def body_for(meta: StreamMeta, messages: list[bytes]) -> bytes:
 
 def sse_uses_base64(meta: StreamMeta) -> bool:
     return not is_text(meta.content_type)
-
-
-def encode_base64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
 
 
 __all__ = [
