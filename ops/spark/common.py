@@ -39,3 +39,12 @@ def load(spark: Any, args: argparse.Namespace) -> Any:
         if value:
             reader = reader.option(key, value)
     return reader.load(args.source)
+
+
+def parse_job(argv: list[str] | None, doc: str | None, app: str) -> tuple[argparse.Namespace, Any]:
+    """The arguments every job takes (a source and a Parquet output directory) and its session."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source_arguments(parser)
+    parser.add_argument("out", help="Parquet output directory (replaced)")
+    args = parser.parse_args(argv)
+    return args, session(app, args.master)

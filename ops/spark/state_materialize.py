@@ -11,12 +11,11 @@ rejected and left out. Output columns: stream, type, key, value (JSON text), off
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
-from ops.spark.common import load, session, source_arguments
+from ops.spark.common import load, parse_job
 
 OPERATIONS = ("insert", "update", "delete")
 CONTROLS = ("snapshot-start", "snapshot-end", "reset")
@@ -90,13 +89,7 @@ def materialize(messages: Any) -> tuple[Any, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    source_arguments(parser)
-    parser.add_argument("out", help="Parquet output directory (replaced)")
-    args = parser.parse_args(argv)
-    spark = session("streamkeep-state-materialize", args.master)
+    args, spark = parse_job(argv, __doc__, "streamkeep-state-materialize")
     state, rejected = materialize(load(spark, args))
     state.write.mode("overwrite").parquet(args.out)
     rows = spark.read.parquet(args.out).count()
