@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ops.loadtest.servers import cpu_seconds, node
 from ops.serverproc import ROOT, ServerProcess, start
 
 BENCH_DIR = ROOT / "ops" / "bench"
@@ -43,39 +44,7 @@ class Result:
 
 
 def start_node(data_dir: Path) -> ServerProcess:
-    import threading
-
-    process = subprocess.Popen(
-        ["node", "node_ref_server.mjs"],
-        cwd=BENCH_DIR,
-        env={**os.environ, "DATA_DIR": str(data_dir)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            output.append(line)
-            if "listening on " in line and not url:
-                url.append(line.rsplit(" ", 1)[1].strip())
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(30) or not url:
-        process.kill()
-        raise RuntimeError("Node reference server did not start:\n" + "".join(output))
-    return ServerProcess(process, url[0], output)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return node(data_dir)
 
 
 def request(url: str, method: str, path: str, body: bytes = b"") -> int:

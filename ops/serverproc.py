@@ -37,10 +37,18 @@ class ServerProcess:
 
 def start(*args: str, env: dict[str, str] | None = None, timeout: float = 20.0) -> ServerProcess:
     """Runs `python -m streamkeep serve --port 0 ARGS` and waits for its 'listening on' line."""
-    command = [sys.executable, "-m", "streamkeep", "serve", "--port", "0", *args]
+    return launch(
+        [sys.executable, "-m", "streamkeep", "serve", "--port", "0", *args], env=env, timeout=timeout
+    )
+
+
+def launch(
+    command: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 20.0
+) -> ServerProcess:
+    """Runs any server that prints 'streamkeep listening on URL' (ours, the ceiling, the Node wrapper)."""
     process = subprocess.Popen(
         command,
-        cwd=ROOT,
+        cwd=cwd,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -64,8 +72,8 @@ def start(*args: str, env: dict[str, str] | None = None, timeout: float = 20.0) 
     while not ready.wait(0.05):
         if time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError("streamkeep did not start in time:\n" + "".join(output))
+            raise RuntimeError(f"{command[0]} did not start in time:\n" + "".join(output))
     if not found:
         process.wait()
-        raise RuntimeError("streamkeep exited at start:\n" + "".join(output))
+        raise RuntimeError(f"{' '.join(command)} exited at start:\n" + "".join(output))
     return ServerProcess(process, found[0], output)

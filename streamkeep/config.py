@@ -157,6 +157,13 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "server",
+        "send_stall_timeout",
+        seconds,
+        30.0,
+        "seconds a streaming (SSE) client may take no bytes before it is disconnected; it resumes by offset",
+    ),
+    Setting(
+        "server",
         "shutdown_grace",
         seconds,
         10.0,
@@ -217,6 +224,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("limits", "max_stream_bytes", byte_size, 1 << 30, "most bytes one stream may hold"),
     Setting("limits", "max_total_bytes", byte_size, 4 << 30, "most bytes all streams together may hold"),
     Setting("limits", "read_chunk_bytes", byte_size, 1 << 20, "largest body one read returns"),
+    Setting(
+        "limits",
+        "live_window_bytes",
+        byte_size,
+        4 << 20,
+        "recent bytes per stream kept for live readers to share; readers further behind read by offset",
+    ),
     Setting("limits", "body_timeout", seconds, 300.0, "seconds a client may take to send one request body"),
     Setting(
         "storage",

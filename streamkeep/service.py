@@ -11,17 +11,17 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import trio
 
-from streamkeep.actors.stream_actor import StreamView
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.live import Batch, LiveStream, ReadView
 from streamkeep.protocol import offsets, responses, sse
 from streamkeep.protocol.cursor import response_cursor
 from streamkeep.protocol.errors import ProtocolError, bad_request
-from streamkeep.protocol.model import Request, Response
+from streamkeep.protocol.model import Framed, PushTarget, Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
 from streamkeep.storage import forks
@@ -35,20 +35,6 @@ STREAM_METHODS = "GET, HEAD, PUT, POST, DELETE, OPTIONS"
 
 
 @dataclass(frozen=True)
-class ReadView:
-    view: StreamView
-    start: int
-    messages: list[bytes]
-    next_position: int
-    # Fires at the stream's next published change: what live readers wait on.
-    changed: trio.Event
-
-    @property
-    def at_tail(self) -> bool:
-        return self.next_position >= self.view.tail
-
-
-@dataclass(frozen=True)
 class ServiceOptions:
     long_poll_timeout: float = 30.0
     sse_close_after: float = 60.0
@@ -56,6 +42,10 @@ class ServiceOptions:
     cors_origin: str = "*"
     cache_visibility: str = "public"
     sweep_interval: float = 10.0
+    # Recent changes kept per stream for live readers to share (see streamkeep.live).
+    live_window_bytes: int = 4 << 20
+    # A streaming response (SSE) whose client takes no bytes for this long is disconnected.
+    send_stall_timeout: float = 30.0
 
 
 class Service:
@@ -63,17 +53,23 @@ class Service:
         self.supervisor = supervisor
         self.options = options
         self.shutting_down = False
-        self._shutdown = trio.Event()
         self._catch_up_cache = CATCH_UP_CACHE.replace("public", options.cache_visibility)
         self.requests_by_http_version: Counter[str] = Counter()
         self.subscriptions: SubscriptionManager | None = None
+        self._live: dict[str, LiveStream] = {}
+        # Where live fan-out runs its push loops; without one, subscribers wake and send themselves.
+        self.nursery: trio.Nursery | None = None
+        # How live readers got their data: one "shared" read served every reader of a change, "alone"
+        # reads were a reader's own (catching up), "cached" re-polls needed no read at all.
+        self.live_reads: Counter[str] = Counter()
 
     # ---- lifecycle ------------------------------------------------------------------
 
     def begin_shutdown(self) -> None:
         """Ends live reads cleanly: long-polls answer 204, SSE streams finish their last event."""
         self.shutting_down = True
-        self._shutdown.set()
+        for live in self._live.values():
+            live.wake_all()
 
     async def sweep_expired(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Deletes streams whose TTL or expiry passed, even if nobody asks for them again."""
@@ -147,6 +143,12 @@ class Service:
             "actors_active": self.supervisor.active,
             "actors_spawned": self.supervisor.spawned,
             "requests_by_http_version": dict(self.requests_by_http_version),
+            "live_streams": len(self._live),
+            "live_readers": sum(live.readers for live in self._live.values()),
+            "live_reads": dict(
+                self.live_reads,
+                pushed=self.live_reads["pushed"] + sum(live.pushes for live in self._live.values()),
+            ),
         }
         return Response(
             200,
@@ -182,7 +184,7 @@ class Service:
         if live is not None and start is None:
             raise bad_request("missing_offset", f"live={live} needs an offset; use offset=-1 or offset=now")
         if live == "sse":
-            return await self._sse(name, start if start is not None else "-1", cursor)
+            return await self._sse(name, start if start is not None else "-1", cursor, request.push)
         if live == "long-poll":
             assert start is not None
             return await self._long_poll(name, start, cursor, request)
@@ -218,7 +220,13 @@ class Service:
         return self._data_response(view, start, request, cursor=None)
 
     def _data_response(
-        self, view: ReadView, start: int | str, request: Request, *, cursor: str | None
+        self,
+        view: ReadView,
+        start: int | str,
+        request: Request,
+        *,
+        cursor: str | None,
+        body: bytes | None = None,
     ) -> Response:
         meta = view.view.meta
         up_to_date = view.at_tail
@@ -238,11 +246,53 @@ class Service:
             headers.append(("Stream-Cursor", cursor))
         if responses.if_none_match_hits(request.headers.get("if-none-match"), tag):
             return Response(304, [h for h in headers if h[0] != "Content-Type"])
-        return Response(200, headers, responses.body_for(meta, view.messages))
+        return Response(200, headers, responses.body_for(meta, view.messages) if body is None else body)
+
+    def _join_live(self, name: str) -> LiveStream:
+        """The stream's shared state for live readers, kept while any reader is live."""
+        live = self._live.get(name)
+        if live is None:
+            live = self._live[name] = LiveStream(
+                lambda position: self._shared_read(name, position),
+                self.options.live_window_bytes,
+                None if self.nursery is None else self.nursery.start_soon,
+            )
+        live.readers += 1
+        return live
+
+    def _leave_live(self, name: str, live: LiveStream) -> None:
+        live.readers -= 1
+        if live.readers == 0 and self._live.get(name) is live:
+            del self._live[name]
+            self.live_reads["pushed"] += live.pushes
+
+    async def _shared_read(self, name: str, position: int) -> ReadView:
+        self.live_reads["shared"] += 1
+        return await self._read_view(name, position)
+
+    async def _alone_read(self, name: str, live: LiveStream, position: int | str) -> ReadView:
+        self.live_reads["alone"] += 1
+        view = await self._read_view(name, position)
+        live.observe(view)
+        return view
+
+    async def _next_view(self, name: str, live: LiveStream, position: int) -> tuple[ReadView, Batch | None]:
+        batch = await live.batch_at(position)
+        if batch is not None:
+            return batch.view, batch
+        return await self._alone_read(name, live, position), None
 
     async def _long_poll(self, name: str, start: int | str, cursor: str | None, request: Request) -> Response:
-        with self.supervisor.live_reader(name):
-            view = await self._read_view(name, start)
+        with _LiveReader(self, name) as live:
+            batch = live.kept(start) if isinstance(start, int) else None
+            cached = live.unchanged_at(start) if isinstance(start, int) else None
+            if batch is not None:
+                view = batch.view
+            elif cached is not None:
+                view = cached  # a re-poll at the tail: nothing new, no need to ask the actor
+                self.live_reads["cached"] += 1
+            else:
+                view = await self._alone_read(name, live, start)
             position = view.start
             deadline = trio.current_time() + self.options.long_poll_timeout
             while not view.messages:
@@ -258,18 +308,18 @@ class Service:
                     else:
                         headers.append(("Stream-Cursor", response_cursor(cursor)))
                     return Response(204, headers)
-                await self._wait_for_change(view, deadline)
-                view = await self._read_view(name, position)
-        return self._data_response(view, start, request, cursor=response_cursor(cursor))
+                if not await live.wait_beyond(position, deadline) or self.shutting_down:
+                    continue  # timed out or stopping: answered at the top of the loop
+                view, batch = await self._next_view(name, live, position)
+        body = None
+        if batch is not None:
+            meta = view.view.meta
+            body = batch.encoded("body", lambda: responses.body_for(meta, view.messages))
+        return self._data_response(view, start, request, cursor=response_cursor(cursor), body=body)
 
-    async def _wait_for_change(self, view: ReadView, deadline: float) -> None:
-        with trio.move_on_at(deadline):
-            if not self.shutting_down:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_wait_then_cancel, view.changed, nursery.cancel_scope)
-                    nursery.start_soon(_wait_then_cancel, self._shutdown, nursery.cancel_scope)
-
-    async def _sse(self, name: str, start: int | str, cursor: str | None) -> Response:
+    async def _sse(
+        self, name: str, start: int | str, cursor: str | None, push: PushTarget | None
+    ) -> Response:
         first = await self._read_view(name, start)  # errors become plain HTTP errors, not events
         meta = first.view.meta
         base64_mode = responses.sse_uses_base64(meta)
@@ -280,56 +330,118 @@ class Service:
         ]
         if base64_mode:
             headers.append(("Stream-SSE-Data-Encoding", "base64"))
-        return Response(200, headers, stream=self._sse_events(name, first, cursor, base64_mode))
+        return Response(200, headers, stream=self._sse_events(name, first, cursor, base64_mode, push))
 
     async def _sse_events(
-        self, name: str, view: ReadView, cursor: str | None, base64_mode: bool
+        self, name: str, view: ReadView, cursor: str | None, base64_mode: bool, push: PushTarget | None
     ) -> AsyncIterator[bytes]:
         close_at = trio.current_time() + self.options.sse_close_after
-        with self.supervisor.live_reader(name):
-            position = view.start
+        batch: Batch | None = None
+        with _LiveReader(self, name) as live:
+            live.observe(view)
             sent_control = False
             while True:
                 meta = view.view.meta
                 closed_at_end = meta.closed and view.at_tail
-                next_token = offsets.encode(view.next_position)
                 if view.messages:
-                    payload = sse.data_payload(
-                        view.messages, json_mode=meta.json_mode, base64_mode=base64_mode
-                    )
-                    yield sse.event("data", payload) + sse.control(
-                        next_token,
-                        cursor=response_cursor(cursor),
-                        up_to_date=view.at_tail,
-                        closed=closed_at_end,
-                    )
+                    yield _sse_batch(view, batch, cursor, base64_mode)
                     sent_control = True
                 elif not sent_control or closed_at_end:
                     yield sse.control(
-                        next_token, cursor=response_cursor(cursor), up_to_date=True, closed=closed_at_end
+                        offsets.encode(view.next_position),
+                        cursor=response_cursor(cursor),
+                        up_to_date=True,
+                        closed=closed_at_end,
                     )
                     sent_control = True
                 if closed_at_end:
                     return
                 position = view.next_position
                 if view.at_tail:
-                    deadline = min(close_at, trio.current_time() + self.options.long_poll_timeout)
                     if self.shutting_down or trio.current_time() >= close_at:
                         return
-                    await self._wait_for_change(view, deadline)
+                    deadline = min(close_at, trio.current_time() + self.options.long_poll_timeout)
+                    if push is not None and live.can_push:
+                        # Asleep while changes are written straight to this subscriber's socket.
+                        parked = await live.park(
+                            position, push, _push_frame(push, cursor, base64_mode), deadline
+                        )
+                        if parked.leftover:
+                            yield Framed(parked.leftover)
+                        if parked.finished:
+                            return
+                        position, changed = parked.position, parked.woke
+                    else:
+                        changed = await live.wait_beyond(position, deadline)
                     if self.shutting_down or trio.current_time() >= close_at:
                         return
                     # A quiet spell gets a fresh control event: a keep-alive with a new cursor.
-                    sent_control = view.changed.is_set()
+                    sent_control = changed
                 try:
-                    view = await self._read_view(name, position)
+                    view, batch = await self._next_view(name, live, position)
                 except ProtocolError:
                     return  # deleted or expired meanwhile: end the stream; a reconnect gets the 404
 
 
-async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
+class _LiveReader:
+    """One live reader: keeps the stream's actor awake and its `LiveStream` alive while it lasts.
+
+    A slotted class rather than @contextmanager: 10,000 SSE subscribers each hold one for as long
+    as they are connected, and a generator-based context manager costs ten times the memory.
+    """
+
+    __slots__ = ("awake", "live", "name", "service")
+
+    def __init__(self, service: Service, name: str) -> None:
+        self.service = service
+        self.name = name
+
+    def __enter__(self) -> LiveStream:
+        self.awake = self.service.supervisor.live_reader(self.name)
+        self.awake.__enter__()
+        self.live = self.service._join_live(self.name)
+        return self.live
+
+    def __exit__(self, *_: object) -> None:
+        self.awake.__exit__()
+        self.service._leave_live(self.name, self.live)
+
+
+def _sse_bytes(view: ReadView, fresh_cursor: str, base64_mode: bool) -> bytes:
+    """The events for one read: its data (if any) and the control event after it."""
+    meta = view.view.meta
+    control = sse.control(
+        offsets.encode(view.next_position),
+        cursor=fresh_cursor,
+        up_to_date=view.at_tail,
+        closed=meta.closed and view.at_tail,
+    )
+    if not view.messages:
+        return control
+    payload = sse.data_payload(view.messages, json_mode=meta.json_mode, base64_mode=base64_mode)
+    return sse.event("data", payload) + control
+
+
+def _sse_batch(view: ReadView, batch: Batch | None, cursor: str | None, base64_mode: bool) -> bytes:
+    """A read's events; built once per batch for all readers that share a cursor."""
+    fresh = response_cursor(cursor)
+    if batch is None:
+        return _sse_bytes(view, fresh, base64_mode)
+    return batch.encoded(("sse", base64_mode, fresh), lambda: _sse_bytes(view, fresh, base64_mode))
+
+
+def _push_frame(push: PushTarget, cursor: str | None, base64_mode: bool) -> Callable[[Batch], bytes]:
+    """A parked subscriber's bytes for a batch: the same object for every subscriber that shares
+    the edge's framing and a cursor."""
+
+    def frame(batch: Batch) -> bytes:
+        fresh = response_cursor(cursor)
+        return batch.encoded(
+            ("push", push.kind, base64_mode, fresh),
+            lambda: push.frame(_sse_bytes(batch.view, fresh, base64_mode)),
+        )
+
+    return frame
 
 
 __all__ = ["Service", "ServiceOptions"]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from streamkeep.actors.mailbox import ActorGone
-from streamkeep.actors.stream_actor import StreamActor
+from streamkeep.actors.stream_actor import LiveReaderMark, StreamActor
 from streamkeep.protocol.errors import not_found
 from streamkeep.storage.base import Storage
 
@@ -64,11 +63,9 @@ class Supervisor:
             except ActorGone:
                 continue
 
-    @contextmanager
-    def live_reader(self, name: str) -> Iterator[StreamActor]:
-        actor = self.actor(name, must_exist=True)
-        with actor.live_reader():
-            yield actor
+    def live_reader(self, name: str) -> LiveReaderMark:
+        """`with supervisor.live_reader(name):` keeps the stream's actor awake (404 if there is none)."""
+        return self.actor(name, must_exist=True).live_reader()
 
     def forget(self, actor: StreamActor) -> None:
         if self._actors.get(actor.name) is actor:

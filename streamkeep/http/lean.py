@@ -12,6 +12,7 @@ HTTP/2 arrives by ALPN on TLS or by prior knowledge (the connection preface) on 
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -24,7 +25,7 @@ from streamkeep.http.budget import BodyBudget
 from streamkeep.http.lean_h2 import H2_PREFACE, serve_h2
 from streamkeep.protocol import responses
 from streamkeep.protocol.errors import ProtocolError
-from streamkeep.protocol.model import Headers, Request, Response
+from streamkeep.protocol.model import Framed, Headers, Request, Response
 from streamkeep.service import Service
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,24 @@ def too_large(limit: int) -> ProtocolError:
 
 def body_timed_out(timeout: float) -> ProtocolError:
     return ProtocolError(408, "body_timeout", f"the request body took longer than {timeout:g} s to arrive")
+
+
+class ChunkedPush:
+    """Lets live fan-out write SSE bytes straight into a plain HTTP/1.1 connection (see
+    streamkeep.live): framed as one chunk, written without blocking while the connection's task
+    sleeps in the service."""
+
+    __slots__ = ("fd",)
+    kind = "http/1.1 chunked"
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def frame(self, payload: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+    def write(self, data: bytes) -> int:
+        return os.write(self.fd, data)  # the socket is non-blocking: BlockingIOError when full
 
 
 class Connections:
@@ -186,17 +205,24 @@ async def serve_h11(
             except ProtocolError as error:
                 await stream.send_all(_encode(rejection(service, error), False, True))
                 return
-            response = await service.handle(Request(method, raw_path, query, headers, body, scheme, "1.1"))
+            request = Request(method, raw_path, query, headers, body, scheme, "1.1")
+            if method == "GET" and isinstance(stream, trio.SocketStream):
+                request.push = ChunkedPush(stream.socket.fileno())
+            response = await service.handle(request)
         finally:
             limits.budget.release(charged[0])
+        pending, closed = conn.trailing_data
         if response.stream is None:
             await stream.send_all(_encode(response, method == "HEAD", not keep_alive))
         else:
-            await _send_streaming(stream, response)
-        if not keep_alive:
-            return
-        pending, closed = conn.trailing_data
-        if closed:
+            # A stream can last minutes and there may be 10,000 of them: the parser, request and
+            # its headers are done with, so they are not kept alive alongside it.
+            del conn, next_event, request, headers, event, body
+            sent_meanwhile = await _send_streaming(stream, response, service.options.send_stall_timeout)
+            if sent_meanwhile is None:
+                return
+            pending += sent_meanwhile
+        if not keep_alive or closed:
             return
 
 
@@ -271,18 +297,53 @@ def _encode(response: Response, head: bool, close: bool) -> bytes:
     return _head(response, extra + b"content-length: %d\r\n\r\n" % len(response.body)) + body
 
 
-async def _send_streaming(stream: trio.abc.Stream, response: Response) -> None:
-    """A streaming body (SSE), framed with chunked transfer encoding."""
+async def _send_streaming(stream: trio.abc.Stream, response: Response, stall_timeout: float) -> bytes | None:
+    """A streaming body (SSE), framed with chunked transfer encoding.
+
+    Returns the bytes the client sent meanwhile (its next request), or None once the connection is
+    done for: the client hung up (noticed at once, so its reader does not linger until the next
+    event), or it took no bytes for `stall_timeout`. The kernel's socket buffer is the only
+    per-subscriber buffer; a reader cut off resumes by offset.
+    """
     await stream.send_all(_head(response, b"transfer-encoding: chunked\r\n\r\n"))
     iterator = response.stream
     assert iterator is not None
-    try:
-        async for chunk in iterator:
-            if chunk:
-                await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-    finally:
-        await iterator.aclose()  # type: ignore[attr-defined]
+    received = bytearray()
+    done_for = False
+
+    async def watch_client(scope: trio.CancelScope) -> None:
+        nonlocal done_for
+        try:
+            while data := await stream.receive_some(READ_SIZE):
+                received.extend(data)
+                if len(received) > MAX_HEADER_BYTES:
+                    break
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            pass
+        done_for = True
+        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_client, nursery.cancel_scope)
+        try:
+            async for chunk in iterator:
+                if not chunk:
+                    continue
+                with trio.move_on_after(stall_timeout) as waited:
+                    if isinstance(chunk, Framed):
+                        await stream.send_all(chunk)  # the rest of a pushed chunk, framed already
+                    else:
+                        await stream.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                if waited.cancelled_caught:
+                    done_for = True
+                    break
+        finally:
+            await iterator.aclose()  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+    if done_for:
+        return None
     await stream.send_all(b"0\r\n\r\n")
+    return bytes(received)
 
 
 async def serve_lean(

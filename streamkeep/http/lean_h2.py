@@ -54,6 +54,10 @@ async def serve_h2(
     await _H2Connection(stream, service, limits, scheme, connections, scope).run(first)
 
 
+class _Stalled(Exception):
+    """A stream's client opened no flow-control window within the stall timeout."""
+
+
 class _H2Connection:
     def __init__(
         self,
@@ -213,6 +217,8 @@ class _H2Connection:
                     head = request.method == "HEAD"
                     response = await self.service.handle(request)
                 await self.send_response(stream_id, response, head=head)
+            except _Stalled:
+                await self.cancel_stream(stream_id)
             except (
                 h2.exceptions.StreamClosedError,
                 h2.exceptions.ProtocolError,
@@ -224,6 +230,15 @@ class _H2Connection:
                 self._release(state)
                 if self.streams.get(stream_id) is state:
                     del self.streams[stream_id]
+
+    async def cancel_stream(self, stream_id: int) -> None:
+        try:
+            self.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            await self.flush()
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
     def request(self, state: _Stream) -> Request:
         pseudo: dict[bytes, bytes] = {}
@@ -273,7 +288,11 @@ class _H2Connection:
         while view:
             window = self.conn.local_flow_control_window(stream_id)
             if window <= 0:
-                await self.window_changed.wait()
+                # A client that opens no window for this long loses the stream, not the connection.
+                with trio.move_on_after(self.service.options.send_stall_timeout) as waited:
+                    await self.window_changed.wait()
+                if waited.cancelled_caught:
+                    raise _Stalled
                 continue
             size = min(window, self.conn.max_outbound_frame_size, len(view))
             self.conn.send_data(stream_id, bytes(view[:size]), end_stream=end and size == len(view))
@@ -289,7 +308,13 @@ class _H2Connection:
         async with self.send_lock:
             data = self.conn.data_to_send()
             if data:
-                await self.stream.send_all(data)
+                with trio.move_on_after(self.service.options.send_stall_timeout) as waited:
+                    await self.stream.send_all(data)
+                if waited.cancelled_caught:
+                    # The client takes nothing at all; a half-sent frame leaves only closing.
+                    self.closed = True
+                    self.scope.cancel()
+                    await trio.lowlevel.checkpoint()
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

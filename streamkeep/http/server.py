@@ -109,6 +109,8 @@ def build_service(
         long_poll_timeout=settings.server.long_poll_timeout,
         sse_close_after=settings.server.sse_close_after,
         read_chunk_bytes=limits.read_chunk_bytes,
+        live_window_bytes=limits.live_window_bytes,
+        send_stall_timeout=settings.server.send_stall_timeout,
         cors_origin=settings.http.cors_origin,
         cache_visibility=settings.http.cache_visibility,
     )
@@ -129,6 +131,7 @@ async def serve(settings: SimpleNamespace) -> None:
     async with trio.open_nursery() as nursery:
         storage = await open_storage(settings, nursery)
         service = build_service(settings, nursery, storage)
+        service.nursery = nursery
         nursery.start_soon(service.sweep_expired)
         state = Path(settings.storage.data_dir) if settings.storage.mode == "disk" else None
         keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import parse_qs
 
 
@@ -28,6 +29,27 @@ class Headers:
         return isinstance(name, str) and name.lower() in self._values
 
 
+class PushTarget(Protocol):
+    """What an edge offers for pushing a streaming response's bytes without waking its task.
+
+    Live fan-out writes each change straight into every idle subscriber's socket from one loop
+    (see streamkeep.live). `frame` wraps a payload the way the edge's transfer needs (HTTP/1.1
+    chunks); `kind` names that framing, so subscribers on the same kind share the framed bytes.
+    `write` must not block: it returns how many bytes the kernel took, and raises OSError if the
+    peer is gone.
+    """
+
+    kind: str
+
+    def frame(self, payload: bytes) -> bytes: ...
+
+    def write(self, data: bytes) -> int: ...
+
+
+class Framed(bytes):
+    """Bytes a `PushTarget` already framed (the rest of a partial push); the edge sends them as is."""
+
+
 @dataclass
 class Request:
     method: str
@@ -37,6 +59,8 @@ class Request:
     body: bytes = b""
     scheme: str = "http"
     http_version: str = "1.1"
+    # Set by an edge that can take pushed bytes for a streaming response (plain HTTP/1.1).
+    push: PushTarget | None = None
 
     def query(self, name: str) -> list[str]:
         return self._query().get(name, [])

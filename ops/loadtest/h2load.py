@@ -1,0 +1,81 @@
+"""Drives h2load (Debian's nghttp2-client) over HTTP/1.1 or h2c and reads back what it measured."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ops.loadtest.servers import cpu_seconds
+from ops.serverproc import ServerProcess
+
+
+@dataclass(frozen=True)
+class Load:
+    ok: int
+    failed: int
+    seconds: float
+    cpu_seconds: float
+    latencies_us: list[int]
+
+    @property
+    def per_second(self) -> float:
+        return self.ok / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return self.cpu_seconds / max(self.ok, 1) * 1e6
+
+    def percentile_ms(self, fraction: float) -> float:
+        ordered = sorted(self.latencies_us)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] / 1e3 if ordered else float("nan")
+
+
+def available() -> bool:
+    return shutil.which("h2load") is not None
+
+
+def run(
+    server: ServerProcess,
+    paths: list[str],
+    *,
+    clients: int,
+    body: Path,
+    content_type: str,
+    h2: bool,
+    seconds: float | None = None,
+    count: int | None = None,
+    latencies: bool = False,
+) -> Load:
+    """POSTs `body` to `paths` (each client cycles through all of them) for `seconds` or `count`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        uris = Path(tmp) / "uris"
+        uris.write_text("".join(server.url + path + "\n" for path in paths))
+        log = Path(tmp) / "log"
+        command = ["h2load", "-c", str(clients), "-m", "1", "-d", str(body), "-i", str(uris)]
+        command += ["-H", f"Content-Type: {content_type}"]
+        command += ["-D", f"{seconds:g}"] if seconds is not None else ["-n", str(count)]
+        if not h2:
+            command.append("--h1")
+        if latencies:
+            command += ["--log-file", str(log)]
+        before = cpu_seconds(server.process.pid)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=(seconds or 60) + 120)
+        used = cpu_seconds(server.process.pid) - before
+        out = done.stdout + done.stderr
+        finished = re.search(r"finished in ([\d.]+)(m?s)", out)
+        codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
+        errored = re.search(r"(\d+) failed, (\d+) errored, (\d+) timeout", out)
+        if not (finished and codes and errored):
+            raise RuntimeError("h2load output not understood:\n" + out)
+        elapsed = float(finished.group(1)) / (1000 if finished.group(2) == "ms" else 1)
+        failed = sum(int(codes.group(i)) for i in (2, 3, 4)) + int(errored.group(2)) + int(errored.group(3))
+        samples = []
+        if latencies and log.exists():
+            samples = [
+                int(line.split("\t")[2]) for line in log.read_text().splitlines() if line.count("\t") >= 2
+            ]
+        return Load(int(codes.group(1)), failed, elapsed, used, samples)

@@ -1,0 +1,307 @@
+"""The scenarios: each takes a running server and returns rows of measurements.
+
+Appends are driven by h2load (a Python client tops out near 10k requests/s and would measure
+itself); producers, catch-up reads and fan-out use the loops in `ops.loadtest.clients`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ops.loadtest import clients, h2load
+from ops.loadtest.servers import cpu_seconds, rss_bytes
+from ops.serverproc import ROOT, ServerProcess
+
+TEXT = "text/plain"
+_ids = itertools.count()
+
+
+@dataclass
+class Row:
+    scenario: str
+    protocol: str
+    value: float  # the headline figure, in `unit`
+    unit: str
+    cpu_us: float | None = None  # server CPU per request
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Settings:
+    seconds: float
+    work: Path  # scratch directory (bodies)
+    fanout_small: int = 1000
+    fanout_large: int = 10000
+    cardinalities: tuple[int, ...] = (10, 1000, 10000)
+    quick: bool = False
+
+
+def connection(server: ServerProcess) -> http.client.HTTPConnection:
+    parts = urlsplit(server.url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+
+
+def create(server: ServerProcess, count: int, prefix: str, content_type: str = TEXT) -> list[str]:
+    """Creates `count` new streams over one keep-alive connection; returns their paths."""
+    conn = connection(server)
+    run = next(_ids)
+    paths = [f"/v1/stream/{prefix}-{run}-{i}" for i in range(count)]
+    for path in paths:
+        conn.request("PUT", path, headers={"Content-Type": content_type})
+        response = conn.getresponse()
+        response.read()
+        if response.status not in (200, 201, 204):  # 204: the ceiling stores nothing
+            raise RuntimeError(f"PUT {path}: {response.status}")
+    conn.close()
+    return paths
+
+
+def body_file(settings: Settings, size: int) -> Path:
+    path = settings.work / f"body-{size}"
+    if not path.exists():
+        path.write_bytes(b"x" * size)
+    return path
+
+
+def protocols(h2c: bool) -> list[tuple[str, bool]]:
+    return [("h1", False), ("h2c", True)] if h2c else [("h1", False)]
+
+
+def round_trip(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    rows = []
+    for name, h2 in protocols(h2c):
+        [path] = create(server, 1, "rtt")
+        load = h2load.run(
+            server,
+            [path],
+            clients=1,
+            body=body_file(settings, 100),
+            content_type=TEXT,
+            h2=h2,
+            count=300 if settings.quick else 2000,
+            latencies=True,
+        )
+        check(load, "round trip")
+        rows.append(
+            Row(
+                "append round trip, 1 client, p50 (ms)",
+                name,
+                load.percentile_ms(0.5),
+                "ms",
+                load.cpu_us_per_request,
+                {"p99 ms": load.percentile_ms(0.99)},
+            )
+        )
+    return rows
+
+
+def throughput(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    rows = []
+    client_counts = (16,) if settings.quick else (16, 64)
+    for name, h2 in protocols(h2c):
+        for count in client_counts:
+            for shape in ("own streams", "one shared stream"):
+                paths = create(server, count if shape == "own streams" else 1, "tp")
+                load = h2load.run(
+                    server,
+                    paths,
+                    clients=count,
+                    body=body_file(settings, 100),
+                    content_type=TEXT,
+                    h2=h2,
+                    seconds=settings.seconds,
+                )
+                check(load, f"{count} clients {shape}")
+                rows.append(
+                    Row(
+                        f"appends/s, {count} clients, {shape}",
+                        name,
+                        load.per_second,
+                        "/s",
+                        load.cpu_us_per_request,
+                    )
+                )
+    return rows
+
+
+def big_appends(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    rows = []
+    for name, h2 in protocols(h2c):
+        paths = create(server, 4, "mib", "application/octet-stream")
+        load = h2load.run(
+            server,
+            paths,
+            clients=4,
+            body=body_file(settings, 1 << 20),
+            content_type="application/octet-stream",
+            h2=h2,
+            count=40 if settings.quick else 160,
+        )
+        check(load, "1 MiB appends")
+        rows.append(
+            Row("1 MiB appends, 4 clients (MiB/s)", name, load.per_second, "MiB/s", load.cpu_us_per_request)
+        )
+    return rows
+
+
+def cardinality(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    rows = []
+    for streams in settings.cardinalities:
+        paths = create(server, streams, f"card{streams}")
+        load = h2load.run(
+            server,
+            paths,
+            clients=16,
+            body=body_file(settings, 100),
+            content_type=TEXT,
+            h2=False,
+            seconds=settings.seconds,
+        )
+        check(load, f"{streams} streams")
+        rows.append(
+            Row(
+                f"appends/s, 16 clients over {streams:,} streams",
+                "h1",
+                load.per_second,
+                "/s",
+                load.cpu_us_per_request,
+            )
+        )
+    return rows
+
+
+def check(load: h2load.Load, what: str) -> None:
+    if load.failed or not load.ok:
+        raise RuntimeError(f"{what}: {load.ok} succeeded, {load.failed} failed")
+
+
+def producers(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    [path] = create(server, 1, "producers", "application/json")
+    before = cpu_seconds(server.process.pid)
+    acked, duplicates = clients.producers(server.url, path, 16, settings.seconds)
+    used = cpu_seconds(server.process.pid) - before
+    if duplicates:
+        raise RuntimeError(f"producers: {duplicates} fresh appends were reported as duplicates")
+    rate = acked / settings.seconds
+    return [
+        Row(
+            "idempotent producers, 16 on one stream (appends/s)", "h1", rate, "/s", used / max(acked, 1) * 1e6
+        )
+    ]
+
+
+def catch_up(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    mib = 10 if settings.quick else 50
+    [path] = create(server, 1, "catchup", "application/octet-stream")
+    load = h2load.run(
+        server,
+        [path],
+        clients=1,
+        body=body_file(settings, 1 << 20),
+        content_type="application/octet-stream",
+        h2=False,
+        count=mib,
+    )
+    check(load, "filling the catch-up stream")
+    rates = []
+    before = cpu_seconds(server.process.pid)
+    for _ in range(3):
+        size, seconds = clients.catch_up(server.url, path)
+        if size != mib << 20:
+            raise RuntimeError(f"catch-up read {size} bytes, expected {mib << 20}")
+        rates.append(size / seconds / (1 << 20))
+    used = cpu_seconds(server.process.pid) - before
+    return [
+        Row(
+            f"catch-up read of a {mib} MiB stream (MiB/s, median of 3)",
+            "h1",
+            sorted(rates)[1],
+            "MiB/s",
+            extra={"server CPU s per GiB": used / (3 * mib) * 1024},
+        )
+    ]
+
+
+def fan_out(
+    server: ServerProcess, settings: Settings, mode: str, readers: int, rate: float, seconds: float
+) -> Row:
+    """`readers` live readers (SSE or long-poll) on one stream while one writer appends at `rate`/s."""
+    [path] = create(server, 1, f"fan-{mode}", "application/json")
+    pid = server.process.pid
+    rss_before = rss_bytes(pid)
+    out = settings.work / f"fan-{mode}-{readers}.json"
+    command = [sys.executable, "-m", "ops.loadtest.subscribers", server.url, path]
+    command += ["--count", str(readers), "--mode", mode, "--offset", "now", "--out", str(out)]
+    command += ["--deadline", str(seconds + 60)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"{mode} readers did not connect: {line!r}")
+    rss_connected = rss_bytes(pid)
+    cpu_before = cpu_seconds(pid)
+    conn = connection(server)
+    messages = int(rate * seconds)
+    started = time.monotonic()
+    peak = rss_connected
+    for i in [*range(messages), -1]:
+        delay = started + (i if i >= 0 else messages) / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        body = b'{"i":%d,"t":%.6f}' % (i, time.time())
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        if response.status not in (200, 204):
+            raise RuntimeError(f"fan-out append answered {response.status}")
+        if i % 20 == 0:
+            peak = max(peak, rss_bytes(pid))
+    line = proc.stdout.readline()  # "done": every reader has every message
+    cpu = cpu_seconds(pid) - cpu_before
+    if proc.wait(timeout=seconds + 120) != 0 or line.strip() != "done":
+        raise RuntimeError(f"{mode} readers failed")
+    conn.close()
+    results = json.loads(out.read_text())
+    expected = [*range(messages), -1]
+    wrong = [r["i"][:20] for r in results if r["i"] != expected]
+    if wrong or len(results) != readers:
+        raise RuntimeError(
+            f"{len(wrong)} of {len(results)} {mode} readers missed or reordered messages: {wrong[:2]}"
+        )
+    # Delivery delay of each message to each reader; the slowest reader of each message says how long
+    # the message took to reach everyone.
+    delays = sorted(d for r in results for d in r["delay"][:-1])
+    slowest = [max(r["delay"][n] for r in results) for n in range(messages)]
+    per_reader = (max(peak, rss_connected) - rss_before) / readers
+    return Row(
+        f"{mode} fan-out, {readers:,} readers, {rate:g} msg/s: delivery p50 (ms)",
+        "h1",
+        delays[len(delays) // 2] * 1e3,
+        "ms",
+        cpu / (messages * readers) * 1e6,
+        {
+            "p99 ms": delays[int(len(delays) * 0.99)] * 1e3,
+            "all reached (max ms)": max(slowest) * 1e3,
+            "KB per reader": per_reader / 1024,
+        },
+    )
+
+
+def sse_fan_out(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    rows = [fan_out(server, settings, "sse", settings.fanout_small, 100, 2 if settings.quick else 3)]
+    if settings.fanout_large:
+        rows.append(fan_out(server, settings, "sse", settings.fanout_large, 2, 5))
+    return rows
+
+
+def long_poll_fan_out(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    return [fan_out(server, settings, "long-poll", settings.fanout_small, 10, 2 if settings.quick else 3)]

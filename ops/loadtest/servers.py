@@ -1,0 +1,73 @@
+"""The servers a load test compares, each started as its own process on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ops.serverproc import ROOT, ServerProcess, launch, start
+
+NODE_DIR = ROOT / "ops" / "bench"
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    durable: bool  # fsync before acknowledging
+    h2c: bool  # speaks HTTP/2 with prior knowledge
+    launch: Callable[[Path], ServerProcess]
+
+
+def streamkeep_memory(_: Path) -> ServerProcess:
+    return start("--storage", "memory", "--log-level", "warning", "--max-total-bytes", "16GiB")
+
+
+def streamkeep_disk(data: Path) -> ServerProcess:
+    return start(
+        "--storage",
+        "disk",
+        "--data-dir",
+        str(data / "streamkeep"),
+        "--fsync",
+        "always",
+        "--log-level",
+        "warning",
+    )
+
+
+def node(data_dir: Path | None) -> ServerProcess:
+    """The upstream reference server (@durable-streams/server) through ops/bench/node_ref_server.mjs."""
+    env = {"DATA_DIR": str(data_dir)} if data_dir is not None else {"DATA_DIR": ""}
+    return launch(["node", "node_ref_server.mjs"], cwd=NODE_DIR, env=env, timeout=30)
+
+
+def ceiling(_: Path) -> ServerProcess:
+    return launch([sys.executable, "-m", "ops.loadtest.ceiling"])
+
+
+KINDS = {
+    kind.name: kind
+    for kind in (
+        Kind("streamkeep memory", False, True, streamkeep_memory),
+        Kind("streamkeep disk", True, True, streamkeep_disk),
+        Kind("node memory", False, False, lambda _: node(None)),
+        Kind("node file", True, False, lambda data: node(data / "node")),
+        Kind("ceiling", False, True, ceiling),
+    )
+}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU the process has used so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
