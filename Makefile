@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart \
-	bench bench-disk bench-recovery bench-cold bench-spark crash-test h2load venv clean
+	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test h2load venv clean
 
 venv: $(VENV_STAMP)
 
@@ -55,7 +55,9 @@ conformance-quart: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance --edge quart
 	$(PY) -m ops.run_conformance --edge quart --storage disk --tls-h2
 
-## Benchmarks (not part of `make test`): durable appends beside the Node reference server, recovery.
+## Benchmarks (not part of `make test`; they measure, they do not assert). `make bench` runs the load
+## tests beside the Node reference server plus recovery, cold-tier and Spark benchmarks (< 10 min);
+## `make bench-quick` is the load tests' short form for development (< 2 min).
 BENCH_STAMP := ops/bench/node_modules/.installed
 
 $(BENCH_STAMP): ops/bench/package.json ops/bench/package-lock.json
@@ -65,8 +67,15 @@ $(BENCH_STAMP): ops/bench/package.json ops/bench/package-lock.json
 h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
 
-bench: bench-disk bench-recovery bench-cold bench-spark
+bench: bench-load bench-recovery bench-cold bench-spark
 
+bench-quick: $(VENV_STAMP) $(BENCH_STAMP) h2load
+	$(PY) -m ops.loadtest --quick
+
+bench-load: $(VENV_STAMP) $(BENCH_STAMP) h2load
+	$(PY) -m ops.loadtest
+
+## Durable appends only, fdatasync vs syncfs group commit, beside the Node reference server.
 bench-disk: $(VENV_STAMP) $(BENCH_STAMP) h2load
 	$(PY) -m ops.bench_disk
 

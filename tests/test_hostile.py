@@ -275,3 +275,24 @@ def test_http2_bodies_return_their_budget() -> None:
         assert statuses == {204} and too_big.status_code == 413 and after.status_code == 204
     finally:
         server.stop()
+
+
+def test_an_endless_header_line_is_cut_off_at_the_head_limit(server: ServerProcess) -> None:
+    """A header value that never ends must not be buffered without bound (431, then close)."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        sent = 0
+        reply = b""
+        try:
+            while sent < 8 << 20:  # 8 MiB of one header value, far past the 64 KiB head limit
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            reply = sock.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            pass
+    assert sent < 8 << 20 or reply.startswith(b"HTTP/1.1 4"), "the server kept reading one header line"
+    assert_alive(server)

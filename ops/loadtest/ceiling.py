@@ -1,56 +1,80 @@
-"""The ceiling for the edge: streamkeep's lean HTTP edge with an empty app (every request -> 204).
+"""The ceiling: a bare trio loop driving h11 (HTTP/1.1) or h2 (h2c) with no app (every request -> 204).
 
     python -m ops.loadtest.ceiling [--port 0]
 
-Nothing is stored and no protocol rule runs, so what it costs per request is what the trio loop
-driving h11/h2 costs: the most any streamkeep request path on this edge could reach.
+No routing, no protocol rules, no storage, no limits or timeouts: what a trio server built on the
+well-known sans-I/O libraries costs per request before it does anything. streamkeep's memory-mode
+appends are compared with it (issue 7: at least 60 %).
 """
 
 from __future__ import annotations
 
 import argparse
-from functools import partial
+import signal
 
+import h2.config
+import h2.connection
+import h2.events
+import h11
 import trio
 
-from streamkeep.http.budget import BodyBudget
-from streamkeep.http.lean import EdgeLimits, serve_lean
-from streamkeep.protocol.model import Request, Response
-from streamkeep.service import ServiceOptions
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
-class EmptyApp:
-    """Stands in for `streamkeep.service.Service` as far as the edge can tell."""
+async def serve_h11(stream: trio.SocketStream, first: bytes) -> None:
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(first)
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            conn.receive_data(data)
+        elif isinstance(event, h11.EndOfMessage):
+            await stream.send_all(
+                conn.send(h11.Response(status_code=204, headers=[], reason=b"No Content"))
+                + conn.send(h11.EndOfMessage())
+            )
+            conn.start_next_cycle()
+        elif isinstance(event, h11.ConnectionClosed):
+            return
 
-    options = ServiceOptions()
 
-    async def handle(self, request: Request) -> Response:
-        return Response(204, [])
+async def serve_h2(stream: trio.SocketStream, first: bytes) -> None:
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+    conn.initiate_connection()
+    data = first
+    while data:
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.DataReceived):
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            if isinstance(event, h2.events.StreamEnded):
+                conn.send_headers(event.stream_id, [(b":status", b"204")], end_stream=True)
+        await stream.send_all(conn.data_to_send())
+        data = await stream.receive_some(65536)
+
+
+async def serve(stream: trio.SocketStream) -> None:
+    try:
+        first = await stream.receive_some(65536)
+        if first.startswith(PREFACE[: len(first)]) and first:
+            await serve_h2(stream, first)
+        else:
+            await serve_h11(stream, first)
+    except (trio.BrokenResourceError, h11.RemoteProtocolError):
+        pass
 
 
 async def main(port: int) -> None:
-    limits = EdgeLimits(
-        max_body_bytes=64 << 20, body_timeout=60.0, h2_max_concurrent_streams=100, budget=BodyBudget(1 << 30)
-    )
-    shutdown = trio.Event()
+    listeners = await trio.open_tcp_listeners(port, host="127.0.0.1", backlog=1024)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    print(f"streamkeep listening on {url}", flush=True)
     async with trio.open_nursery() as nursery:
-        urls = await nursery.start(
-            partial(
-                serve_lean,
-                EmptyApp(),  # type: ignore[arg-type]
-                host="127.0.0.1",
-                port=port,
-                backlog=1024,
-                limits=limits,
-                ssl_context=None,
-                shutdown_grace=1.0,
-                shutdown=shutdown,
-            )
-        )
-        print(f"streamkeep listening on {urls[0]}", flush=True)
-        with trio.open_signal_receiver(2, 15) as signals:
+        nursery.start_soon(trio.serve_listeners, serve, listeners)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
-                shutdown.set()
+                nursery.cancel_scope.cancel()
                 return
 
 

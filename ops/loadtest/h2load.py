@@ -57,7 +57,7 @@ def run(
         log = Path(tmp) / "log"
         command = ["h2load", "-c", str(clients), "-m", "1", "-d", str(body), "-i", str(uris)]
         command += ["-H", f"Content-Type: {content_type}"]
-        command += ["-D", f"{seconds:g}"] if seconds is not None else ["-n", str(count)]
+        command += ["-D", f"{round(seconds * 1000)}ms"] if seconds is not None else ["-n", str(count)]
         if not h2:
             command.append("--h1")
         if latencies:

@@ -105,9 +105,9 @@ def round_trip(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row
 
 def throughput(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
     rows = []
-    client_counts = (16,) if settings.quick else (16, 64)
     for name, h2 in protocols(h2c):
-        for count in client_counts:
+        # 64 clients over h2c adds little the 16-client run does not show; it is left out for time.
+        for count in (16,) if settings.quick or h2 else (16, 64):
             for shape in ("own streams", "one shared stream"):
                 paths = create(server, count if shape == "own streams" else 1, "tp")
                 load = h2load.run(
@@ -233,14 +233,19 @@ def catch_up(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
 def fan_out(
     server: ServerProcess, settings: Settings, mode: str, readers: int, rate: float, seconds: float
 ) -> Row:
-    """`readers` live readers (SSE or long-poll) on one stream while one writer appends at `rate`/s."""
+    """`readers` live readers (SSE or long-poll) on one stream while one writer appends at `rate`/s.
+
+    A server that cannot take the appends at that rate slows the writer; past four times the planned
+    time the writer stops early, and the row says what rate it reached.
+    """
+    label = f"{mode} fan-out, {readers:,} readers, {rate:g} msg/s: delivery p50 (ms)"
     [path] = create(server, 1, f"fan-{mode}", "application/json")
     pid = server.process.pid
     rss_before = rss_bytes(pid)
     out = settings.work / f"fan-{mode}-{readers}.json"
     command = [sys.executable, "-m", "ops.loadtest.subscribers", server.url, path]
     command += ["--count", str(readers), "--mode", mode, "--offset", "now", "--out", str(out)]
-    command += ["--deadline", str(seconds + 60)]
+    command += ["--deadline", str(seconds * 4 + 30)]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -250,58 +255,66 @@ def fan_out(
     rss_connected = rss_bytes(pid)
     cpu_before = cpu_seconds(pid)
     conn = connection(server)
-    messages = int(rate * seconds)
+    planned = int(rate * seconds)
     started = time.monotonic()
     peak = rss_connected
-    for i in [*range(messages), -1]:
-        delay = started + (i if i >= 0 else messages) / rate - time.monotonic()
+    sent = 0
+    while sent < planned and time.monotonic() - started < seconds * 4:
+        delay = started + sent / rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        body = b'{"i":%d,"t":%.6f}' % (i, time.time())
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        response.read()
-        if response.status not in (200, 204):
-            raise RuntimeError(f"fan-out append answered {response.status}")
-        if i % 20 == 0:
+        post(conn, path, b'{"i":%d,"t":%.6f}' % (sent, time.time()))
+        sent += 1
+        if sent % 20 == 0:
             peak = max(peak, rss_bytes(pid))
-    line = proc.stdout.readline()  # "done": every reader has every message
+    achieved = sent / (time.monotonic() - started)
+    post(conn, path, b'{"i":-1,"t":%.6f}' % time.time())
+    line = proc.stdout.readline()  # "done": every reader has every message, or the deadline passed
     cpu = cpu_seconds(pid) - cpu_before
-    if proc.wait(timeout=seconds + 120) != 0 or line.strip() != "done":
+    if proc.wait(timeout=seconds * 4 + 120) != 0 or line.strip() != "done":
         raise RuntimeError(f"{mode} readers failed")
     conn.close()
     results = json.loads(out.read_text())
-    expected = [*range(messages), -1]
-    wrong = [r["i"][:20] for r in results if r["i"] != expected]
+    expected = [*range(sent), -1]
+    wrong = [_first_difference(r["i"], expected) for r in results if r["i"] != expected]
     if wrong or len(results) != readers:
-        raise RuntimeError(
-            f"{len(wrong)} of {len(results)} {mode} readers missed or reordered messages: {wrong[:2]}"
-        )
+        return Row(label, "h1", float("nan"), "ms", extra={"readers missing messages": len(wrong)})
     # Delivery delay of each message to each reader; the slowest reader of each message says how long
     # the message took to reach everyone.
     delays = sorted(d for r in results for d in r["delay"][:-1])
-    slowest = [max(r["delay"][n] for r in results) for n in range(messages)]
-    per_reader = (max(peak, rss_connected) - rss_before) / readers
-    return Row(
-        f"{mode} fan-out, {readers:,} readers, {rate:g} msg/s: delivery p50 (ms)",
-        "h1",
-        delays[len(delays) // 2] * 1e3,
-        "ms",
-        cpu / (messages * readers) * 1e6,
-        {
-            "p99 ms": delays[int(len(delays) * 0.99)] * 1e3,
-            "all reached (max ms)": max(slowest) * 1e3,
-            "KB per reader": per_reader / 1024,
-        },
-    )
+    slowest = [max(r["delay"][n] for r in results) for n in range(sent)]
+    extra = {
+        "p99 ms": delays[int(len(delays) * 0.99)] * 1e3,
+        "all reached (max ms)": max(slowest) * 1e3,
+        "KB per reader": (max(peak, rss_connected) - rss_before) / readers / 1024,
+    }
+    if achieved < rate * 0.9:
+        extra["writer reached msg/s"] = achieved
+    return Row(label, "h1", delays[len(delays) // 2] * 1e3, "ms", cpu / (sent * readers) * 1e6, extra)
+
+
+def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> None:
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.read()
+    if response.status not in (200, 204):
+        raise RuntimeError(f"fan-out append answered {response.status}")
 
 
 def sse_fan_out(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
-    rows = [fan_out(server, settings, "sse", settings.fanout_small, 100, 2 if settings.quick else 3)]
-    if settings.fanout_large:
-        rows.append(fan_out(server, settings, "sse", settings.fanout_large, 2, 5))
-    return rows
+    return [fan_out(server, settings, "sse", settings.fanout_small, 100, 2 if settings.quick else 3)]
+
+
+def sse_fan_out_large(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    return [fan_out(server, settings, "sse", settings.fanout_large, 2, 5)]
 
 
 def long_poll_fan_out(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
     return [fan_out(server, settings, "long-poll", settings.fanout_small, 10, 2 if settings.quick else 3)]
+
+
+def _first_difference(got: list[int], expected: list[int]) -> str:
+    for index, (a, b) in enumerate(zip(got, expected, strict=False)):
+        if a != b:
+            return f"at {index}: got {got[index : index + 5]}, expected {expected[index : index + 5]}"
+    return f"got {len(got)} messages, expected {len(expected)}"

@@ -1,7 +1,8 @@
-"""The lean edge: one trio task per connection driving h11 (HTTP/1.1) or h2 (HTTP/2) directly.
+"""The lean edge: one trio task per connection driving llhttp (HTTP/1.1) or h2 (HTTP/2) directly.
 
 hypercorn's trio worker spends ~580 us of CPU per request in its glue (a task and a memory channel
-per request, per-send locks, timers); a bare trio loop over h11/h2 needs ~115 us. This edge keeps
+per request, per-send locks, timers); a bare trio loop over h11/h2 needs ~75 us, and ~45 us of an
+append's remain once llhttp parses HTTP/1.1 instead of h11 (docs/architecture.md). This edge keeps
 everything protocol-specific in `streamkeep.service` and only moves bytes: parse a request, read its
 body under our limits, call `Service.handle`, write the response (streaming SSE as it comes). The
 quart-trio edge (`--edge quart`) stays available and passes the same tests.
@@ -14,14 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable
 from functools import partial
 from http import HTTPStatus
 
-import h11
 import trio
 
 from streamkeep.http.budget import BodyBudget
+from streamkeep.http.h1 import BadRequest, PeerClosed, RequestReader
 from streamkeep.http.lean_h2 import H2_PREFACE, serve_h2
 from streamkeep.protocol import responses
 from streamkeep.protocol.errors import ProtocolError
@@ -146,10 +146,10 @@ async def _serve(
     if first.startswith(H2_PREFACE[: len(first)]) and len(first) >= 3:
         await serve_h2(stream, first, service, limits, scheme, connections, scope)
         return
-    await serve_h11(stream, first, service, limits, connections, scope, scheme)
+    await serve_h1(stream, first, service, limits, connections, scope, scheme)
 
 
-async def serve_h11(
+async def serve_h1(
     stream: trio.abc.Stream,
     first: bytes,
     service: Service,
@@ -158,108 +158,74 @@ async def serve_h11(
     scope: trio.CancelScope,
     scheme: str,
 ) -> None:
-    """h11 parses requests; responses are written directly (h11's per-header validation of our
-    own, already valid headers was the single largest cost of the loop). Each request gets a fresh
-    h11 parser fed with the bytes left over from the previous one."""
-    pending = first
-    while True:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
-        if pending:
-            conn.receive_data(pending)
-
-        async def next_event(timeout: float, conn: h11.Connection = conn) -> h11.Event:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            with trio.fail_after(timeout):
-                while event is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(READ_SIZE))
-                    event = conn.next_event()
-            return event
-
-        connections.idle.add(scope)
-        if connections.closing:
-            return
-        try:
-            event = await next_event(KEEP_ALIVE_TIMEOUT)
-        except h11.RemoteProtocolError as error:
-            connections.idle.discard(scope)
-            status = error.error_status_hint
-            message = "request head too large" if status == 431 else f"malformed HTTP/1.1 request: {error}"
-            await stream.send_all(
-                _encode(rejection(service, ProtocolError(status, "bad_http", message)), False, True)
-            )
-            return
-        connections.idle.discard(scope)
-        if not isinstance(event, h11.Request):
-            return
-        method = event.method.decode("ascii", "replace")
-        target = event.target.decode("latin-1")
-        raw_path, _, query = target.partition("?")
-        headers = Headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers])
-        keep_alive = event.http_version == b"1.1" and (headers.get("connection") or "").lower() != "close"
-        charged: list[int] = [0]
-        try:
-            try:
-                body = await _read_h11_body(conn, event, next_event, stream, limits, charged)
-            except ProtocolError as error:
-                await stream.send_all(_encode(rejection(service, error), False, True))
-                return
-            request = Request(method, raw_path, query, headers, body, scheme, "1.1")
-            if method == "GET" and isinstance(stream, trio.SocketStream):
-                request.push = ChunkedPush(stream.socket.fileno())
-            response = await service.handle(request)
-        finally:
-            limits.budget.release(charged[0])
-        pending, closed = conn.trailing_data
-        if response.stream is None:
-            await stream.send_all(_encode(response, method == "HEAD", not keep_alive))
-        else:
-            # A stream can last minutes and there may be 10,000 of them: the parser, request and
-            # its headers are done with, so they are not kept alive alongside it.
-            del conn, next_event, request, headers, event, body
-            sent_meanwhile = await _send_streaming(stream, response, service.options.send_stall_timeout)
-            if sent_meanwhile is None:
-                return
-            pending += sent_meanwhile
-        if not keep_alive or closed:
-            return
-
-
-async def _read_h11_body(
-    conn: h11.Connection,
-    request: h11.Request,
-    next_event: Callable[[float], Awaitable[h11.Event]],
-    stream: trio.abc.Stream,
-    limits: EdgeLimits,
-    charged: list[int],
-) -> bytes:
-    for name, value in request.headers:
-        if name == b"content-length" and value.isdigit() and int(value) > limits.max_body_bytes:
-            raise too_large(limits.max_body_bytes)
-    if conn.they_are_waiting_for_100_continue:
-        await stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-    chunks: list[bytes] = []
-    size = 0
-    deadline = trio.current_time() + limits.body_timeout
+    """HTTP/1.1: requests parsed by llhttp (streamkeep.http.h1), responses written directly."""
+    reader = RequestReader(stream, MAX_HEADER_BYTES)
+    push = ChunkedPush(stream.socket.fileno()) if isinstance(stream, trio.SocketStream) else None
     try:
+        if first:
+            reader.feed(first)
         while True:
-            event = await next_event(max(0.0, deadline - trio.current_time()))
-            if isinstance(event, h11.Data):
-                size += len(event.data)
+            connections.idle.add(scope)
+            if connections.closing:
+                return
+            try:
+                message = await reader.head(KEEP_ALIVE_TIMEOUT)
+            except (PeerClosed, trio.TooSlowError):
+                return
+            finally:
+                connections.idle.discard(scope)
+            charged = [0]
+
+            def count(size: int, charged: list[int] = charged) -> None:
                 if size > limits.max_body_bytes:
                     raise too_large(limits.max_body_bytes)
-                limits.budget.charge(len(event.data))
-                charged[0] += len(event.data)
-                chunks.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(chunks)
+                if size > charged[0]:
+                    limits.budget.charge(size - charged[0])
+                    charged[0] = size
+
+            try:
+                try:
+                    if (message.declared_length or 0) > limits.max_body_bytes:
+                        raise too_large(limits.max_body_bytes)
+                    if message.expects_continue and not message.complete:
+                        await stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    await reader.body(message, trio.current_time() + limits.body_timeout, count)
+                except ProtocolError as error:
+                    await stream.send_all(_encode(rejection(service, error), False, True))
+                    return
+                except trio.TooSlowError:
+                    error = body_timed_out(limits.body_timeout)
+                    await stream.send_all(_encode(rejection(service, error), False, True))
+                    return
+                except PeerClosed:
+                    return
+                raw_path, _, query = message.url.decode("latin-1").partition("?")
+                body = b"".join(message.body)
+                message.body.clear()
+                request = Request(
+                    message.method, raw_path, query, Headers(message.headers), body, scheme, "1.1"
+                )
+                if push is not None and message.method == "GET":
+                    request.push = push
+                response = await service.handle(request)
+            finally:
+                limits.budget.release(charged[0])
+            keep_alive = reader.finish(message)
+            if response.stream is None:
+                await stream.send_all(_encode(response, message.method == "HEAD", not keep_alive))
             else:
-                raise ProtocolError(400, "bad_http", "the connection ended inside the request body")
-    except trio.TooSlowError:
-        raise body_timed_out(limits.body_timeout) from None
-    except h11.RemoteProtocolError as error:
-        raise ProtocolError(400, "bad_http", f"malformed request body: {error}") from None
+                # A stream can last minutes and there may be 10,000 of them: the request and its
+                # body are done with, so they are not kept alive alongside it.
+                del request, body, message, count
+                sent_meanwhile = await _send_streaming(stream, response, service.options.send_stall_timeout)
+                if sent_meanwhile is None:
+                    return
+                reader.feed(sent_meanwhile)
+            if not keep_alive:
+                return
+    except BadRequest as bad:
+        error = ProtocolError(bad.status, "bad_http", str(bad))
+        await stream.send_all(_encode(rejection(service, error), False, True))
 
 
 # Header lines repeat across responses (CORS, content types, cache rules): encode each once.

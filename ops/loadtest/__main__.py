@@ -1,0 +1,267 @@
+"""Load tests: streamkeep beside the upstream Node reference server, same machine, same run.
+
+    python -m ops.loadtest [--quick] [--seconds 2] [--servers NAMES] [--scenarios NAMES] [--json FILE]
+
+Starts each server in turn as its own process on loopback (streamkeep memory and disk, the Node
+reference server in memory and file-backed, and the ceiling: streamkeep's HTTP edge with an empty
+app), runs every scenario that applies, and prints a Markdown table with ratios and the targets of
+issue 7. Load comes from h2load (appends) and from bare socket loops in other processes (producers,
+catch-up, fan-out); server CPU per request is read from /proc. `--quick` is a smaller run for
+development (under 2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ops.loadtest import h2load, scenarios
+from ops.loadtest.scenarios import Row, Settings
+from ops.loadtest.servers import KINDS, NODE_DIR
+from ops.serverproc import ServerProcess
+
+Scenario = Callable[[ServerProcess, Settings, bool], list[Row]]
+
+# name -> (scenario, runs on the ceiling too, needs a server of its own). Fan-out measures server
+# memory per reader, which only means something on a fresh process: Python and Node keep the memory
+# earlier scenarios used and hand it out again.
+SCENARIOS: dict[str, tuple[Scenario, bool, bool]] = {
+    "sse-10k": (scenarios.sse_fan_out_large, False, True),
+    "sse": (scenarios.sse_fan_out, False, True),
+    "long-poll": (scenarios.long_poll_fan_out, False, True),
+    "round-trip": (scenarios.round_trip, True, False),
+    "throughput": (scenarios.throughput, True, False),
+    "producers": (scenarios.producers, False, False),
+    "big-appends": (scenarios.big_appends, False, False),
+    "catch-up": (scenarios.catch_up, False, False),
+    "cardinality": (scenarios.cardinality, False, False),
+}
+QUICK = ["sse", "round-trip", "throughput", "catch-up", "cardinality"]
+COLUMNS = ["streamkeep memory", "streamkeep disk", "node memory", "node file", "ceiling"]
+
+
+def run(names: list[str], chosen: list[str], settings: Settings) -> dict[str, list[Row]]:
+    results: dict[str, list[Row]] = {}
+    started = time.monotonic()
+    for name in names:
+        kind = KINDS[name]
+        results[name] = []
+        server: ServerProcess | None = None
+        try:
+            for scenario_name in chosen:
+                scenario, on_ceiling, fresh = SCENARIOS[scenario_name]
+                if name == "ceiling" and not on_ceiling:
+                    continue
+                if server is None or fresh:
+                    if server is not None:
+                        server.stop()
+                    data = settings.work / f"{name}-{scenario_name}".replace(" ", "-")
+                    data.mkdir()
+                    server = kind.launch(data)
+                print(f"[{time.monotonic() - started:5.0f} s] {name}: {scenario_name} ...", flush=True)
+                results[name] += scenario(server, settings, kind.h2c)
+                if fresh:
+                    server.stop()
+                    server = None
+        finally:
+            if server is not None:
+                server.stop()
+    print(f"[{time.monotonic() - started:5.0f} s] done", flush=True)
+    return results
+
+
+def fmt(row: Row | None) -> str:
+    if row is None:
+        return "-"
+    if math.isnan(row.value):
+        return "failed: " + ", ".join(f"{key} {number:,.0f}" for key, number in row.extra.items())
+    value = (
+        f"{row.value:,.0f}"
+        if row.value >= 100
+        else f"{row.value:,.3g}"
+        if row.unit == "ms"
+        else f"{row.value:,.1f}"
+    )
+    details = [f"{key} {number:,.3g}" for key, number in row.extra.items()]
+    if row.cpu_us is not None:
+        details.append(f"{row.cpu_us:,.0f} us CPU")
+    return value + (f" ({', '.join(details)})" if details else "")
+
+
+def ratio(a: Row | None, b: Row | None) -> str:
+    if a is None or b is None or not b.value:
+        return "-"
+    return f"{a.value / b.value:.2f}x"
+
+
+def table(results: dict[str, list[Row]]) -> str:
+    keys: list[tuple[str, str]] = []
+    by: dict[tuple[str, str, str], Row] = {}
+    for server, rows in results.items():
+        for row in rows:
+            key = (row.scenario, row.protocol)
+            if key not in keys:
+                keys.append(key)
+            by[(server, *key)] = row
+    present = [c for c in COLUMNS if c in results]
+    lines = [
+        "| scenario | protocol | " + " | ".join(present) + " | memory vs node memory | disk vs node file |",
+        "|---" * (len(present) + 4) + "|",
+    ]
+    for scenario, protocol in keys:
+        cells = [fmt(by.get((c, scenario, protocol))) for c in present]
+        mem = ratio(
+            by.get(("streamkeep memory", scenario, protocol)), by.get(("node memory", scenario, protocol))
+        )
+        disk = ratio(
+            by.get(("streamkeep disk", scenario, protocol)), by.get(("node file", scenario, protocol))
+        )
+        lines.append(f"| {scenario} | {protocol} | " + " | ".join(cells) + f" | {mem} | {disk} |")
+    return "\n".join(lines)
+
+
+def targets(results: dict[str, list[Row]]) -> list[str]:
+    """Issue 7's targets, each as a line saying met or missed and by how much."""
+
+    def find(server: str, prefix: str, protocol: str = "h1", key: str | None = None) -> float | None:
+        for row in results.get(server, []):
+            if row.scenario.startswith(prefix) and row.protocol == protocol:
+                return row.value if key is None else row.extra.get(key)
+        return None
+
+    lines = []
+
+    def check(
+        label: str, value: float | None, goal: float, *, at_most: bool = False, unit: str = "x"
+    ) -> None:
+        if value is None:
+            lines.append(f"- {label}: not measured in this run")
+            return
+        met = value <= goal if at_most else value >= goal
+        lines.append(
+            f"- {label}: {value:,.2f}{unit} (target {'<=' if at_most else '>='} {goal:g}{unit}) -> "
+            f"{'met' if met else 'MISSED'}"
+        )
+
+    def quotient(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or not b else a / b
+
+    for clients in (16, 64):
+        own, shared = (
+            f"appends/s, {clients} clients, own streams",
+            f"appends/s, {clients} clients, one shared",
+        )
+        check(
+            f"durable appends, {clients} clients on own streams, vs node file",
+            quotient(find("streamkeep disk", own), find("node file", own)),
+            3,
+        )
+        check(
+            f"durable appends, {clients} clients on one shared stream, vs node file",
+            quotient(find("streamkeep disk", shared), find("node file", shared)),
+            5,
+        )
+    for protocol in ("h1", "h2c"):
+        own = "appends/s, 16 clients, own streams"
+        check(
+            f"memory appends vs the ceiling, 16 clients own streams, {protocol}",
+            quotient(find("streamkeep memory", own, protocol), find("ceiling", own, protocol)),
+            0.6,
+        )
+    small = "sse fan-out, 1,000 readers"
+    for ours, theirs in (("streamkeep memory", "node memory"), ("streamkeep disk", "node file")):
+        check(
+            f"SSE 1,000 readers p99, {ours} / {theirs}",
+            quotient(find(ours, small, key="p99 ms"), find(theirs, small, key="p99 ms")),
+            1,
+            at_most=True,
+        )
+    large = "sse fan-out, 10,000 readers"
+    for ours in ("streamkeep memory", "streamkeep disk"):
+        check(
+            f"SSE 10,000 readers, every event reached all ({ours})",
+            find(ours, large, key="all reached (max ms)"),
+            1000,
+            at_most=True,
+            unit=" ms",
+        )
+        check(
+            f"SSE 10,000 readers, server memory per reader ({ours})",
+            find(ours, large, key="KB per reader"),
+            20,
+            at_most=True,
+            unit=" KB",
+        )
+    for ours, theirs in (("streamkeep memory", "node memory"), ("streamkeep disk", "node file")):
+        check(
+            f"catch-up MiB/s, {ours} / {theirs}",
+            quotient(find(ours, "catch-up"), find(theirs, "catch-up")),
+            1,
+        )
+    for ours in ("streamkeep memory", "streamkeep disk"):
+        check(
+            f"appends/s at 10,000 streams vs 10 streams ({ours})",
+            quotient(
+                find(ours, "appends/s, 16 clients over 10,000"), find(ours, "appends/s, 16 clients over 10 ")
+            ),
+            0.8,
+        )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a smaller run for development")
+    parser.add_argument("--seconds", type=float, default=None, help="seconds per throughput run")
+    parser.add_argument("--servers", default=",".join(COLUMNS), help="comma-separated: " + ", ".join(COLUMNS))
+    parser.add_argument("--scenarios", default=None, help="comma-separated: " + ", ".join(SCENARIOS))
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    if not h2load.available():
+        print("h2load is missing: apt-get install nghttp2-client (make bench does)", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    if any(n.startswith("node") for n in names) and not (NODE_DIR / "node_modules").is_dir():
+        print("ops/bench/node_modules is missing: run `make bench` (it runs npm ci)", file=sys.stderr)
+        return 2
+    unknown = [n for n in names if n not in KINDS]
+    chosen = (args.scenarios or ",".join(QUICK if args.quick else SCENARIOS)).split(",")
+    unknown += [n for n in chosen if n not in SCENARIOS]
+    if unknown:
+        print(f"unknown server or scenario: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="loadtest-", dir=scenarios.ROOT) as tmp:
+        settings = Settings(
+            seconds=args.seconds or (1.5 if args.quick else 3),
+            work=Path(tmp),
+            cardinalities=(10, 1000) if args.quick else (10, 1000, 10000),
+            quick=args.quick,
+        )
+        results = run(names, chosen, settings)
+    header = (
+        f"date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.node()}, {os.cpu_count()} cores, "
+        f"{platform.python_implementation()} {platform.python_version()}; command: python -m ops.loadtest "
+        + " ".join(sys.argv[1:])
+    )
+    print("\n" + header + "\n")
+    print(table(results))
+    print("\nTargets (issue 7):")
+    print("\n".join(targets(results)))
+    if args.json:
+        args.json.write_text(json.dumps({k: [r.__dict__ for r in v] for k, v in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
