@@ -296,3 +296,45 @@ def test_an_endless_header_line_is_cut_off_at_the_head_limit(server: ServerProce
             pass
     assert sent < 8 << 20 or reply.startswith(b"HTTP/1.1 4"), "the server kept reading one header line"
     assert_alive(server)
+
+
+def test_slow_h2_bodies_time_out_with_408_and_fast_ones_still_pass(
+    server: ServerProcess, stream_url: str
+) -> None:
+    """h2c: bodies that stall past --body-timeout (2 s here) get 408 on their own stream, while
+    complete requests on the same connection are answered as usual."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    httpx.put(f"{server.url}{stream_url}", headers={"Content-Type": "text/plain"})
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    request = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":authority", "x"),
+        (":path", stream_url),
+        ("content-type", "text/plain"),
+    ]
+    statuses: dict[int, str] = {}
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        for stream_id in (1, 3, 5):  # three bodies that never finish
+            conn.send_headers(stream_id, request)
+            conn.send_data(stream_id, b"partial")
+        conn.send_headers(7, request)
+        conn.send_data(7, b"whole", end_stream=True)
+        sock.sendall(conn.data_to_send())
+        deadline = time.monotonic() + 8
+        while len(statuses) < 4 and time.monotonic() < deadline:
+            data = sock.recv(65536)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    statuses[event.stream_id] = dict(event.headers)[":status"]
+            sock.sendall(conn.data_to_send())
+    assert statuses == {1: "408", 3: "408", 5: "408", 7: "204"}
+    assert httpx.get(f"{server.url}{stream_url}?offset=-1").content == b"whole"
+    assert_alive(server)
