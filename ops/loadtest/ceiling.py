@@ -62,7 +62,7 @@ async def serve(stream: trio.SocketStream) -> None:
             await serve_h2(stream, first)
         else:
             await serve_h11(stream, first)
-    except (trio.BrokenResourceError, h11.RemoteProtocolError):
+    except Exception:  # a client's mistake ends its connection, never the server
         pass
 
 
