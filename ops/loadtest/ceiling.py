@@ -19,6 +19,21 @@ import h11
 import trio
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# With --headers streamkeep, responses carry the headers a streamkeep append answers with, to tell
+# what the h2 library spends on them (HPACK, frames) from what streamkeep spends elsewhere.
+STREAMKEEP_HEADERS = [
+    (b"stream-next-offset", b"0000000000000000_0000000000000001"),
+    (b"access-control-allow-origin", b"*"),
+    (
+        b"access-control-expose-headers",
+        b"Stream-Next-Offset, Stream-Cursor, Stream-Up-To-Date, Stream-Closed, Stream-TTL, Stream-Expires-At, "
+        b"Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, Producer-Expected-Seq, Producer-Received-Seq, "
+        b"ETag, Location, Content-Type, Retry-After",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"cross-origin-resource-policy", b"cross-origin"),
+]
+response_headers: list[tuple[bytes, bytes]] = []
 
 
 async def serve_h11(stream: trio.SocketStream, first: bytes) -> None:
@@ -32,10 +47,8 @@ async def serve_h11(stream: trio.SocketStream, first: bytes) -> None:
                 return
             conn.receive_data(data)
         elif isinstance(event, h11.EndOfMessage):
-            await stream.send_all(
-                conn.send(h11.Response(status_code=204, headers=[], reason=b"No Content"))
-                + conn.send(h11.EndOfMessage())
-            )
+            response = h11.Response(status_code=204, headers=response_headers, reason=b"No Content")
+            await stream.send_all(conn.send(response) + conn.send(h11.EndOfMessage()))
             conn.start_next_cycle()
         elif isinstance(event, h11.ConnectionClosed):
             return
@@ -50,7 +63,7 @@ async def serve_h2(stream: trio.SocketStream, first: bytes) -> None:
             if isinstance(event, h2.events.DataReceived):
                 conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             if isinstance(event, h2.events.StreamEnded):
-                conn.send_headers(event.stream_id, [(b":status", b"204")], end_stream=True)
+                conn.send_headers(event.stream_id, [(b":status", b"204"), *response_headers], end_stream=True)
         await stream.send_all(conn.data_to_send())
         data = await stream.receive_some(65536)
 
@@ -83,4 +96,8 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--port", type=int, default=0)
-    trio.run(main, parser.parse_args().port)
+    parser.add_argument("--headers", choices=("none", "streamkeep"), default="none")
+    args = parser.parse_args()
+    if args.headers == "streamkeep":
+        response_headers[:] = STREAMKEEP_HEADERS
+    trio.run(main, args.port)

@@ -103,6 +103,29 @@ def round_trip(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row
     return rows
 
 
+def append_rate(
+    server: ServerProcess,
+    settings: Settings,
+    paths: list[str],
+    clients: int,
+    h2: bool,
+    label: str,
+    protocol: str,
+) -> Row:
+    """100 B appends from h2load's `clients` connections, cycling over `paths`, for the set time."""
+    load = h2load.run(
+        server,
+        paths,
+        clients=clients,
+        body=body_file(settings, 100),
+        content_type=TEXT,
+        h2=h2,
+        seconds=settings.seconds,
+    )
+    check(load, label)
+    return Row(label, protocol, load.per_second, "/s", load.cpu_us_per_request)
+
+
 def throughput(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
     rows = []
     for name, h2 in protocols(h2c):
@@ -110,23 +133,9 @@ def throughput(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row
         for count in (16,) if settings.quick or h2 else (16, 64):
             for shape in ("own streams", "one shared stream"):
                 paths = create(server, count if shape == "own streams" else 1, "tp")
-                load = h2load.run(
-                    server,
-                    paths,
-                    clients=count,
-                    body=body_file(settings, 100),
-                    content_type=TEXT,
-                    h2=h2,
-                    seconds=settings.seconds,
-                )
-                check(load, f"{count} clients {shape}")
                 rows.append(
-                    Row(
-                        f"appends/s, {count} clients, {shape}",
-                        name,
-                        load.per_second,
-                        "/s",
-                        load.cpu_us_per_request,
+                    append_rate(
+                        server, settings, paths, count, h2, f"appends/s, {count} clients, {shape}", name
                     )
                 )
     return rows
@@ -156,23 +165,9 @@ def cardinality(server: ServerProcess, settings: Settings, h2c: bool) -> list[Ro
     rows = []
     for streams in settings.cardinalities:
         paths = create(server, streams, f"card{streams}")
-        load = h2load.run(
-            server,
-            paths,
-            clients=16,
-            body=body_file(settings, 100),
-            content_type=TEXT,
-            h2=False,
-            seconds=settings.seconds,
-        )
-        check(load, f"{streams} streams")
         rows.append(
-            Row(
-                f"appends/s, 16 clients over {streams:,} streams",
-                "h1",
-                load.per_second,
-                "/s",
-                load.cpu_us_per_request,
+            append_rate(
+                server, settings, paths, 16, False, f"appends/s, 16 clients over {streams:,} streams", "h1"
             )
         )
     return rows

@@ -48,6 +48,25 @@ def ceiling(_: Path) -> ServerProcess:
     return launch([sys.executable, "-m", "ops.loadtest.ceiling"])
 
 
+def ceiling_with_headers(_: Path) -> ServerProcess:
+    return launch([sys.executable, "-m", "ops.loadtest.ceiling", "--headers", "streamkeep"])
+
+
+def streamkeep_disk_syncfs(data: Path) -> ServerProcess:
+    return start(
+        "--storage",
+        "disk",
+        "--data-dir",
+        str(data / "streamkeep"),
+        "--fsync",
+        "always",
+        "--sync-method",
+        "syncfs",
+        "--log-level",
+        "warning",
+    )
+
+
 KINDS = {
     kind.name: kind
     for kind in (
@@ -56,6 +75,9 @@ KINDS = {
         Kind("node memory", False, False, lambda _: node(None)),
         Kind("node file", True, False, lambda data: node(data / "node")),
         Kind("ceiling", False, True, ceiling),
+        # Not in the default run; for questions the table raises (python -m ops.loadtest --servers ...).
+        Kind("streamkeep disk syncfs", True, True, streamkeep_disk_syncfs),
+        Kind("ceiling with streamkeep headers", False, True, ceiling_with_headers),
     )
 }
 

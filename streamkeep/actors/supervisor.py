@@ -30,6 +30,7 @@ class Supervisor:
         self.hibernate_after = hibernate_after
         self._nursery = nursery
         self._actors: dict[str, StreamActor] = {}
+        self._sweeping = False
         self.spawned = 0
         # Told the name of every stream that published data, was created or deleted
         # (subscriptions link and wake on it). Called synchronously: listeners must not block.
@@ -53,7 +54,22 @@ class Supervisor:
             self._actors[name] = actor
             self.spawned += 1
             self._nursery.start_soon(actor.run, name=f"stream-actor:{name}")
+            if not self._sweeping:
+                self._sweeping = True
+                self._nursery.start_soon(self._sweep_idle, name="stream-actor-sweep")
         return actor
+
+    async def _sweep_idle(self) -> None:
+        """Hibernates actors idle for `hibernate_after`: one task for all of them, running only
+        while any actor is awake."""
+        try:
+            while self._actors:
+                await trio.sleep(self.hibernate_after / 4)
+                idle_since = trio.current_time() - self.hibernate_after
+                for actor in list(self._actors.values()):
+                    actor.hibernate_if_idle(idle_since)
+        finally:
+            self._sweeping = False
 
     async def call(self, name: str, handler: str, *args: Any, must_exist: bool = True) -> Any:
         while True:
