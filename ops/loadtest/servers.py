@@ -25,17 +25,9 @@ def streamkeep_memory(_: Path) -> ServerProcess:
     return start("--storage", "memory", "--log-level", "warning", "--max-total-bytes", "16GiB")
 
 
-def streamkeep_disk(data: Path) -> ServerProcess:
-    return start(
-        "--storage",
-        "disk",
-        "--data-dir",
-        str(data / "streamkeep"),
-        "--fsync",
-        "always",
-        "--log-level",
-        "warning",
-    )
+def streamkeep_disk(data: Path, *extra: str) -> ServerProcess:
+    durable = ["--storage", "disk", "--data-dir", str(data / "streamkeep"), "--fsync", "always"]
+    return start(*durable, "--log-level", "warning", *extra)
 
 
 def node(data_dir: Path | None) -> ServerProcess:
@@ -53,18 +45,7 @@ def ceiling_with_headers(_: Path) -> ServerProcess:
 
 
 def streamkeep_disk_syncfs(data: Path) -> ServerProcess:
-    return start(
-        "--storage",
-        "disk",
-        "--data-dir",
-        str(data / "streamkeep"),
-        "--fsync",
-        "always",
-        "--sync-method",
-        "syncfs",
-        "--log-level",
-        "warning",
-    )
+    return streamkeep_disk(data, "--sync-method", "syncfs")
 
 
 KINDS = {
