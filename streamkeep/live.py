@@ -121,12 +121,18 @@ class LiveStream:
         elif view.next_position == latest.next_position and latest.changed.is_set():
             self._latest = view
 
-    def unchanged_at(self, position: int) -> ReadView | None:
-        """A read at `position` answered without asking the actor: nothing new since our last read."""
+    def _quiet_at(self, position: int) -> ReadView | None:
+        """Our last read, if it ended at the tail exactly at `position` and nothing is kept there:
+        a reader at `position` has nothing to read until that read's `changed` fires."""
         latest = self._latest
         if latest is None or latest.next_position != position or not latest.at_tail:
             return None
-        if latest.changed.is_set():
+        return None if position in self._by_start else latest
+
+    def unchanged_at(self, position: int) -> ReadView | None:
+        """A read at `position` answered without asking the actor: nothing new since our last read."""
+        latest = self._quiet_at(position)
+        if latest is None or latest.changed.is_set():
             return None
         if latest.view.meta.ttl_seconds is not None:
             return None  # reads extend a TTL; only the actor may record that
@@ -137,10 +143,8 @@ class LiveStream:
 
     async def wait_beyond(self, position: int, deadline: float) -> bool:
         """Waits until the stream changes past `position` or `deadline` passes; True if it changed."""
-        latest = self._latest
-        if latest is None or position in self._by_start:
-            return True
-        if position < latest.next_position or not latest.at_tail:
+        latest = self._quiet_at(position)
+        if latest is None:
             return True
         with trio.move_on_at(deadline):
             await latest.changed.wait()
@@ -166,14 +170,8 @@ class LiveStream:
         must act: there is something to read or send itself, or the stream closed or went away.
         `woke` on the result is False only if the deadline passed."""
         record = Parked(position, target, frame)
-        latest = self._latest
-        if (
-            latest is None
-            or position != latest.next_position
-            or not latest.at_tail
-            or latest.changed.is_set()
-            or position in self._by_start
-        ):
+        latest = self._quiet_at(position)
+        if latest is None or latest.changed.is_set():
             record.woke = True  # there is something to read already
             return record
         self._parked.setdefault(position, set()).add(record)

@@ -285,7 +285,7 @@ class Service:
     async def _long_poll(self, name: str, start: int | str, cursor: str | None, request: Request) -> Response:
         with _LiveReader(self, name) as live:
             batch = live.kept(start) if isinstance(start, int) else None
-            cached = live.unchanged_at(start) if isinstance(start, int) else None
+            cached = live.unchanged_at(start) if batch is None and isinstance(start, int) else None
             if batch is not None:
                 view = batch.view
             elif cached is not None:
