@@ -122,11 +122,15 @@ class _H2Connection:
                         self.conn.close_connection()
                         await self.flush()
                         break
-                data = b""
-                with trio.move_on_after(IDLE_TIMEOUT if idle else float("inf")) as waited:
+                if idle:
+                    data = b""
+                    with trio.move_on_after(IDLE_TIMEOUT):
+                        data = await self.stream.receive_some(READ_SIZE)
+                    self.connections.idle.discard(self.scope)
+                else:
+                    # No timer while requests are open: a cancel scope per read cost ~5 % here.
                     data = await self.stream.receive_some(READ_SIZE)
-                self.connections.idle.discard(self.scope)
-                if waited.cancelled_caught or not data:
+                if not data:
                     break
             nursery.cancel_scope.cancel()
         for state in self.streams.values():
