@@ -325,3 +325,30 @@ def test_live_stream_keeps_a_bounded_window_and_never_keeps_an_empty_open_read()
         assert batches[3].encoded("k", lambda: b"twice") is encoded
 
     trio.run(main)
+
+
+def test_a_request_sent_during_an_sse_response_is_answered_after_it(live_server: ServerProcess) -> None:
+    """HTTP/1.1 keep-alive: bytes the client sends while an SSE response streams are kept, and the
+    request they hold is answered once the stream ends (here: the stream closes)."""
+    path = "/v1/stream/fanout-pipelined"
+    assert httpx.put(live_server.url + path, headers={"Content-Type": "text/plain"}).status_code == 201
+    parts = urlsplit(live_server.url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(f"GET {path}?offset=-1&live=sse HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        wait_for_readers(live_server, 1)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        closed = httpx.post(
+            live_server.url + path,
+            content=b"last",
+            headers={"Stream-Closed": "true", "Content-Type": "text/plain"},
+        )
+        assert closed.status_code in (200, 204)
+        raw = b""
+        while not raw.endswith(b"\r\n\r\nok"):
+            piece = sock.recv(65536)
+            assert piece, f"connection closed early; got {raw!r}"
+            raw += piece
+    first_end = raw.index(b"0\r\n\r\n") + 5  # the SSE response's last chunk
+    status, body = decode_chunked(raw[:first_end])
+    assert status == 200 and b"last" in body and b'"streamClosed":true' in body
+    assert raw[first_end:].startswith(b"HTTP/1.1 200 OK")
