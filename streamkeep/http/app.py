@@ -15,7 +15,7 @@ from quart_trio import QuartTrio
 
 from streamkeep.http.budget import BodyBudget
 from streamkeep.protocol import responses
-from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.errors import ProtocolError, body_too_large
 from streamkeep.protocol.model import Headers, Request, Response
 from streamkeep.service import Service
 
@@ -69,7 +69,7 @@ async def _read_body(limit: int, timeout: float, budget: BodyBudget, charged: li
         return b""
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise BodyRejected(_too_large(limit))
+        raise BodyRejected(body_too_large(limit))
     chunks: list[bytes] = []
     size = 0
     try:
@@ -77,7 +77,7 @@ async def _read_body(limit: int, timeout: float, budget: BodyBudget, charged: li
             async for chunk in request.body:
                 size += len(chunk)
                 if size > limit:
-                    raise BodyRejected(_too_large(limit))
+                    raise BodyRejected(body_too_large(limit))
                 try:
                     budget.charge(len(chunk))
                 except ProtocolError as error:
@@ -89,12 +89,6 @@ async def _read_body(limit: int, timeout: float, budget: BodyBudget, charged: li
             ProtocolError(408, "body_timeout", f"the request body took longer than {timeout:g} s to arrive")
         ) from None
     return b"".join(chunks)
-
-
-def _too_large(limit: int) -> ProtocolError:
-    return ProtocolError(
-        413, "body_too_large", f"request bodies may be at most {limit} bytes; split the append"
-    )
 
 
 def _to_quart(response: Response) -> QuartResponse:

@@ -21,16 +21,15 @@ from http import HTTPStatus
 import trio
 
 from streamkeep.http.budget import BodyBudget
-from streamkeep.http.h1 import BadRequest, PeerClosed, RequestReader
+from streamkeep.http.h1 import READ_SIZE, BadRequest, PeerClosed, RequestReader
 from streamkeep.http.lean_h2 import H2_PREFACE, serve_h2
 from streamkeep.protocol import responses
-from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.errors import ProtocolError, body_too_large
 from streamkeep.protocol.model import Framed, Headers, Request, Response
 from streamkeep.service import Service
 
 log = logging.getLogger(__name__)
 
-READ_SIZE = 65536
 MAX_HEADER_BYTES = 64 * 1024
 HEADER_TIMEOUT = 30.0  # a client gets this long to send a request's head once it starts one
 KEEP_ALIVE_TIMEOUT = 75.0
@@ -57,12 +56,6 @@ def rejection(service: Service, error: ProtocolError) -> Response:
     response = responses.error(error)
     response.headers.extend(responses.common_headers(service.options.cors_origin))
     return response
-
-
-def too_large(limit: int) -> ProtocolError:
-    return ProtocolError(
-        413, "body_too_large", f"request bodies may be at most {limit} bytes; split the append"
-    )
 
 
 def body_timed_out(timeout: float) -> ProtocolError:
@@ -178,7 +171,7 @@ async def serve_h1(
 
             def count(size: int, charged: list[int] = charged) -> None:
                 if size > limits.max_body_bytes:
-                    raise too_large(limits.max_body_bytes)
+                    raise body_too_large(limits.max_body_bytes)
                 if size > charged[0]:
                     limits.budget.charge(size - charged[0])
                     charged[0] = size
@@ -186,7 +179,7 @@ async def serve_h1(
             try:
                 try:
                     if (message.declared_length or 0) > limits.max_body_bytes:
-                        raise too_large(limits.max_body_bytes)
+                        raise body_too_large(limits.max_body_bytes)
                     if message.expects_continue and not message.complete:
                         await stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
                     await reader.body(message, trio.current_time() + limits.body_timeout, count)

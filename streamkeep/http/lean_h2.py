@@ -13,7 +13,8 @@ import h2.exceptions
 import h2.settings
 import trio
 
-from streamkeep.protocol.errors import ProtocolError
+from streamkeep.http.h1 import READ_SIZE
+from streamkeep.protocol.errors import ProtocolError, body_too_large
 from streamkeep.protocol.model import Headers, Request, Response
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-READ_SIZE = 65536
 IDLE_TIMEOUT = 75.0
 # Hop-by-hop headers are forbidden in HTTP/2 responses.
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "upgrade", "proxy-connection"}
@@ -145,7 +145,7 @@ class _H2Connection:
                 self.streams[event.stream_id] = state
                 declared = _header(state.headers, b"content-length")
                 if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
-                    state.rejected = _too_large(self.limits.max_body_bytes)
+                    state.rejected = body_too_large(self.limits.max_body_bytes)
                     self.start(event.stream_id, state)
                 elif event.stream_ended is not None:
                     state.complete = True
@@ -186,7 +186,7 @@ class _H2Connection:
         if state is None or state.started:
             return
         if state.size + len(event.data) > self.limits.max_body_bytes:
-            state.rejected = _too_large(self.limits.max_body_bytes)
+            state.rejected = body_too_large(self.limits.max_body_bytes)
         else:
             try:
                 self.limits.budget.charge(len(event.data))
@@ -379,9 +379,3 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
-
-
-def _too_large(limit: int) -> ProtocolError:
-    return ProtocolError(
-        413, "body_too_large", f"request bodies may be at most {limit} bytes; split the append"
-    )

@@ -26,3 +26,9 @@ def not_found(name: str) -> ProtocolError:
 
 def conflict(code: str, message: str, headers: list[tuple[str, str]] | None = None) -> ProtocolError:
     return ProtocolError(409, code, message, headers or [])
+
+
+def body_too_large(limit: int) -> ProtocolError:
+    return ProtocolError(
+        413, "body_too_large", f"request bodies may be at most {limit} bytes; split the append"
+    )
