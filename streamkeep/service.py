@@ -23,6 +23,7 @@ from streamkeep.protocol.cursor import response_cursor
 from streamkeep.protocol.errors import ProtocolError, bad_request
 from streamkeep.protocol.model import Framed, PushTarget, Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
+from streamkeep.protocol.offsets import Offset
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
 from streamkeep.storage import forks
 from streamkeep.storage.base import StorageUnavailable
@@ -54,9 +55,10 @@ class Service:
         self.options = options
         self.shutting_down = False
         self._catch_up_cache = CATCH_UP_CACHE.replace("public", options.cache_visibility)
+        self._entry_cache = f"{options.cache_visibility}, no-cache"
         self.requests_by_http_version: Counter[str] = Counter()
         self.subscriptions: SubscriptionManager | None = None
-        self._live: dict[str, LiveStream] = {}
+        self._live: dict[tuple[str, int], LiveStream] = {}
         # Where live fan-out runs its push loops; without one, subscribers wake and send themselves.
         self.nursery: trio.Nursery | None = None
         # How live readers got their data: one "shared" read served every reader of a change, "alone"
@@ -169,7 +171,7 @@ class Service:
         spec = AppendSpec.from_request(request.headers, request.body)
         pending = await self.supervisor.call(name, "append", spec)
         outcome = await pending.wait()  # outside the actor: it sequences the next append meanwhile
-        return Response(outcome.status, outcome.headers())
+        return Response(outcome.status, outcome.headers(pending.incarnation))
 
     # ---- reads ----------------------------------------------------------------------
 
@@ -190,7 +192,7 @@ class Service:
             return await self._long_poll(name, start, cursor, request)
         return await self._catch_up(name, start if start is not None else "-1", request)
 
-    async def _read_view(self, name: str, start: int | str, *, touch: bool = True) -> ReadView:
+    async def _read_view(self, name: str, start: Offset | str, *, touch: bool = True) -> ReadView:
         plan = await self.supervisor.call(name, "read", start, touch)
         view = plan.view
         if plan.start >= view.tail:
@@ -210,7 +212,7 @@ class Service:
             ) from None
         return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)
 
-    async def _catch_up(self, name: str, start: int | str, request: Request) -> Response:
+    async def _catch_up(self, name: str, start: Offset | str, request: Request) -> Response:
         view = await self._read_view(name, start)
         meta = view.view.meta
         if start == offsets.NOW:
@@ -222,7 +224,7 @@ class Service:
     def _data_response(
         self,
         view: ReadView,
-        start: int | str,
+        start: Offset | str,
         request: Request,
         *,
         cursor: str | None,
@@ -234,9 +236,9 @@ class Service:
         tag = responses.etag(meta, start, view.next_position, closed_at_end)
         headers = [
             ("Content-Type", meta.content_type),
-            ("Stream-Next-Offset", offsets.encode(view.next_position)),
+            ("Stream-Next-Offset", offsets.encode(view.next_position, meta.incarnation)),
             ("ETag", tag),
-            ("Cache-Control", self._catch_up_cache),
+            ("Cache-Control", self._cache_control(start)),
         ]
         if up_to_date:
             headers.append(("Stream-Up-To-Date", "true"))
@@ -248,58 +250,72 @@ class Service:
             return Response(304, [h for h in headers if h[0] != "Content-Type"])
         return Response(200, headers, responses.body_for(meta, view.messages) if body is None else body)
 
-    def _join_live(self, name: str) -> LiveStream:
-        """The stream's shared state for live readers, kept while any reader is live."""
-        live = self._live.get(name)
+    def _cache_control(self, start: Offset | str) -> str:
+        """A read at a token of this incarnation may be cached: its URL names this incarnation. A
+        read at `-1` or at a token without one has the same URL for every stream ever created at
+        this path, so a cache must revalidate it (the ETag names the stream id) before reuse."""
+        if isinstance(start, Offset) and start.incarnation != offsets.ANY_INCARNATION:
+            return self._catch_up_cache
+        return self._entry_cache
+
+    def _join_live(self, name: str, incarnation: int) -> LiveStream:
+        """The shared state of one incarnation's live readers, kept while any reader is live. Keyed
+        by incarnation too: a stream deleted and created again shares nothing with its predecessor."""
+        key = (name, incarnation)
+        live = self._live.get(key)
         if live is None:
-            live = self._live[name] = LiveStream(
-                lambda position: self._shared_read(name, position),
+            live = self._live[key] = LiveStream(
+                lambda position: self._shared_read(name, offsets.Offset(incarnation, position)),
                 self.options.live_window_bytes,
                 None if self.nursery is None else self.nursery.start_soon,
             )
         live.readers += 1
         return live
 
-    def _leave_live(self, name: str, live: LiveStream) -> None:
+    def _leave_live(self, key: tuple[str, int], live: LiveStream) -> None:
         live.readers -= 1
-        if live.readers == 0 and self._live.get(name) is live:
-            del self._live[name]
+        if live.readers == 0 and self._live.get(key) is live:
+            del self._live[key]
             self.live_reads["pushed"] += live.pushes
 
-    async def _shared_read(self, name: str, position: int) -> ReadView:
+    async def _shared_read(self, name: str, start: Offset) -> ReadView:
         self.live_reads["shared"] += 1
-        return await self._read_view(name, position)
+        return await self._read_view(name, start)
 
-    async def _alone_read(self, name: str, live: LiveStream, position: int | str) -> ReadView:
+    async def _alone_read(self, name: str, start: Offset | str) -> ReadView:
         self.live_reads["alone"] += 1
-        view = await self._read_view(name, position)
-        live.observe(view)
-        return view
+        return await self._read_view(name, start)
 
-    async def _next_view(self, name: str, live: LiveStream, position: int) -> tuple[ReadView, Batch | None]:
-        batch = await live.batch_at(position)
+    async def _next_view(self, reader: _LiveReader, position: int) -> tuple[ReadView, Batch | None]:
+        batch = await reader.live.batch_at(position)
         if batch is not None:
             return batch.view, batch
-        return await self._alone_read(name, live, position), None
+        view = await self._alone_read(reader.name, offsets.Offset(reader.incarnation, position))
+        reader.live.observe(view)
+        return view, None
 
-    async def _long_poll(self, name: str, start: int | str, cursor: str | None, request: Request) -> Response:
-        with _LiveReader(self, name) as live:
-            batch = live.kept(start) if isinstance(start, int) else None
-            cached = live.unchanged_at(start) if batch is None and isinstance(start, int) else None
-            if batch is not None:
-                view = batch.view
-            elif cached is not None:
-                view = cached  # a re-poll at the tail: nothing new, no need to ask the actor
-                self.live_reads["cached"] += 1
-            else:
-                view = await self._alone_read(name, live, start)
+    async def _long_poll(self, name: str, start: Offset | str, cursor: str | None, request: Request) -> Response:
+        known = None
+        if isinstance(start, Offset) and start.incarnation != offsets.ANY_INCARNATION:
+            known = self._live.get((name, start.incarnation))
+        batch = known.kept(start.position) if known is not None else None
+        cached = known.unchanged_at(start.position) if known is not None and batch is None else None
+        if batch is not None:
+            view = batch.view
+        elif cached is not None:
+            view = cached  # a re-poll at the tail: nothing new, no need to ask the actor
+            self.live_reads["cached"] += 1
+        else:
+            view = await self._alone_read(name, start)
+        with _LiveReader(self, name, view.view.meta.incarnation) as reader:
+            reader.live.observe(view)
             position = view.start
             deadline = trio.current_time() + self.options.long_poll_timeout
             while not view.messages:
                 meta = view.view.meta
                 if meta.closed or self.shutting_down or trio.current_time() >= deadline:
                     headers = [
-                        ("Stream-Next-Offset", offsets.encode(view.view.tail)),
+                        ("Stream-Next-Offset", offsets.encode(view.view.tail, meta.incarnation)),
                         ("Stream-Up-To-Date", "true"),
                         ("Cache-Control", responses.NO_STORE),
                     ]
@@ -308,9 +324,9 @@ class Service:
                     else:
                         headers.append(("Stream-Cursor", response_cursor(cursor)))
                     return Response(204, headers)
-                if not await live.wait_beyond(position, deadline) or self.shutting_down:
+                if not await reader.live.wait_beyond(position, deadline) or self.shutting_down:
                     continue  # timed out or stopping: answered at the top of the loop
-                view, batch = await self._next_view(name, live, position)
+                view, batch = await self._next_view(reader, position)
         body = None
         if batch is not None:
             meta = view.view.meta
@@ -318,7 +334,7 @@ class Service:
         return self._data_response(view, start, request, cursor=response_cursor(cursor), body=body)
 
     async def _sse(
-        self, name: str, start: int | str, cursor: str | None, push: PushTarget | None
+        self, name: str, start: Offset | str, cursor: str | None, push: PushTarget | None
     ) -> Response:
         first = await self._read_view(name, start)  # errors become plain HTTP errors, not events
         meta = first.view.meta
@@ -337,7 +353,8 @@ class Service:
     ) -> AsyncIterator[bytes]:
         close_at = trio.current_time() + self.options.sse_close_after
         batch: Batch | None = None
-        with _LiveReader(self, name) as live:
+        with _LiveReader(self, name, view.view.meta.incarnation) as reader:
+            live = reader.live
             live.observe(view)
             sent_control = False
             while True:
@@ -348,7 +365,7 @@ class Service:
                     sent_control = True
                 elif not sent_control or closed_at_end:
                     yield sse.control(
-                        offsets.encode(view.next_position),
+                        offsets.encode(view.next_position, meta.incarnation),
                         cursor=response_cursor(cursor),
                         up_to_date=True,
                         closed=closed_at_end,
@@ -378,40 +395,42 @@ class Service:
                     # A quiet spell gets a fresh control event: a keep-alive with a new cursor.
                     sent_control = changed
                 try:
-                    view, batch = await self._next_view(name, live, position)
+                    view, batch = await self._next_view(reader, position)
                 except ProtocolError:
-                    return  # deleted or expired meanwhile: end the stream; a reconnect gets the 404
+                    return  # deleted, replaced or expired meanwhile: end; a reconnect gets the answer
 
 
 class _LiveReader:
-    """One live reader: keeps the stream's actor awake and its `LiveStream` alive while it lasts.
+    """One live reader: keeps the stream's actor awake and its incarnation's `LiveStream` alive
+    while it lasts.
 
     A slotted class rather than @contextmanager: 10,000 SSE subscribers each hold one for as long
     as they are connected, and a generator-based context manager costs ten times the memory.
     """
 
-    __slots__ = ("awake", "live", "name", "service")
+    __slots__ = ("awake", "incarnation", "live", "name", "service")
 
-    def __init__(self, service: Service, name: str) -> None:
+    def __init__(self, service: Service, name: str, incarnation: int) -> None:
         self.service = service
         self.name = name
+        self.incarnation = incarnation
 
-    def __enter__(self) -> LiveStream:
+    def __enter__(self) -> _LiveReader:
         self.awake = self.service.supervisor.live_reader(self.name)
         self.awake.__enter__()
-        self.live = self.service._join_live(self.name)
-        return self.live
+        self.live = self.service._join_live(self.name, self.incarnation)
+        return self
 
     def __exit__(self, *_: object) -> None:
         self.awake.__exit__()
-        self.service._leave_live(self.name, self.live)
+        self.service._leave_live((self.name, self.incarnation), self.live)
 
 
 def _sse_bytes(view: ReadView, fresh_cursor: str, base64_mode: bool) -> bytes:
     """The events for one read: its data (if any) and the control event after it."""
     meta = view.view.meta
     control = sse.control(
-        offsets.encode(view.next_position),
+        offsets.encode(view.next_position, meta.incarnation),
         cursor=fresh_cursor,
         up_to_date=view.at_tail,
         closed=meta.closed and view.at_tail,

@@ -113,16 +113,18 @@ def test_recovery_finishes_a_cascade_a_crash_interrupted(tmp_path: Path) -> None
         server.stop()
 
 
-def test_fork_offsets_continue_the_source_offsets(fork_server: ServerProcess) -> None:
+def test_fork_offsets_continue_the_source_positions(fork_server: ServerProcess) -> None:
+    """A fork shares its source's positions and accepts its tokens, but mints its own incarnation."""
     with httpx.Client(base_url=fork_server.url, timeout=10) as client:
         client.put("/v1/stream/off-src", content=b"0123456789", headers=CT)
+        source_tail = client.head("/v1/stream/off-src").headers["stream-next-offset"]
         forked = fork(client, "off-fork", "off-src")
-        assert (
-            forked.headers["stream-next-offset"]
-            == client.head("/v1/stream/off-src").headers["stream-next-offset"]
-        )
+        fork_tail = forked.headers["stream-next-offset"]
+        assert fork_tail[17:] == source_tail[17:] == f"{10:016d}"
+        assert fork_tail[:16] != source_tail[:16]  # a fork is another stream: its own incarnation
         client.post("/v1/stream/off-src", content=b"not-in-fork", headers=CT)
         appended = client.post("/v1/stream/off-fork", content=b"abc", headers=CT)
-        assert appended.headers["stream-next-offset"] == "0000000000000000_0000000000000013"
-        middle = client.get("/v1/stream/off-fork", params={"offset": "0000000000000000_0000000000000005"})
-        assert middle.content == b"56789abc"
+        assert appended.headers["stream-next-offset"] == fork_tail[:17] + f"{13:016d}"
+        for token in (source_tail[:17] + f"{5:016d}", "0000000000000000_0000000000000005"):
+            middle = client.get("/v1/stream/off-fork", params={"offset": token})
+            assert middle.content == b"56789abc"

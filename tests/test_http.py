@@ -139,3 +139,25 @@ def test_https_negotiates_h2_with_alpn(tls_server: tuple[ServerProcess, Path], s
         assert tls_client.get(stream_url, params={"offset": "-1"}).content == b"secure"
     with httpx.Client(base_url=process.url, verify=ssl.create_default_context(cafile=str(ca))) as h1:
         assert h1.get("/healthz").http_version == "HTTP/1.1"
+
+
+def test_a_recreated_stream_shares_no_offsets_or_cached_reads_with_its_predecessor(
+    client: httpx.Client, stream_url: str
+) -> None:
+    create(client, stream_url)
+    old = client.post(stream_url, content=b"old incarnation", headers={"Content-Type": "text/plain"})
+    old_token = old.headers["stream-next-offset"]
+    middle = old_token[:17] + f"{4:016d}"
+    chunk = client.get(stream_url, params={"offset": middle})
+    assert chunk.content == b"incarnation" and chunk.headers["cache-control"].startswith("public, max-age=60")
+    entry = client.get(stream_url, params={"offset": "-1"})
+    assert entry.headers["cache-control"] == "public, no-cache"  # the same URL for every incarnation
+    assert client.delete(stream_url).status_code == 204
+    create(client, stream_url)
+    client.post(stream_url, content=b"new stream, longer", headers={"Content-Type": "text/plain"})
+    stale = client.get(stream_url, params={"offset": middle})
+    assert stale.status_code == 410 and stale.json()["error"]["code"] == "offset_of_deleted_stream"
+    fresh = client.get(stream_url, params={"offset": "-1"})
+    assert fresh.content == b"new stream, longer" and fresh.headers["stream-next-offset"][:16] != middle[:16]
+    by_hand = client.get(stream_url, params={"offset": "0000000000000000_0000000000000004"})
+    assert by_hand.content == b"stream, longer"  # a token without incarnation means this one

@@ -54,11 +54,18 @@ def status_of(fn, *args):  # type: ignore[no-untyped-def]
 
 def test_offsets_sort_as_positions_and_round_trip() -> None:
     positions = [0, 1, 9, 10, 255, 4096, 2**40, 10**16 - 1]
-    tokens = [offsets.encode(p) for p in positions]
+    incarnation = offsets.incarnation_of("a1b2c3d4e5f6")
+    tokens = [offsets.encode(p, incarnation) for p in positions]
     assert tokens == sorted(tokens)
-    assert [offsets.decode(t) for t in tokens] == positions
+    assert [offsets.decode(t) for t in tokens] == [offsets.Offset(incarnation, p) for p in positions]
     assert all(t not in ("-1", "now") and len(t) == 33 for t in tokens)
-    assert offsets.encode(0) == "0000000000000000_0000000000000000"
+    assert offsets.encode(0) == "0000000000000000_0000000000000000"  # the hand-written beginning
+
+
+def test_incarnations_are_never_zero_and_differ_between_stream_ids() -> None:
+    ids = ["000000000000", "a1b2c3d4e5f6", "a1b2c3d4e5f7", "not-hex", "s"]
+    numbers = [offsets.incarnation_of(i) for i in ids]
+    assert all(0 < n < 10**16 for n in numbers) and len(set(numbers)) == len(ids)
 
 
 @pytest.mark.parametrize(
@@ -68,8 +75,8 @@ def test_offsets_sort_as_positions_and_round_trip() -> None:
         "abc",
         "-2",
         "0000000000000000",
-        "0000000000000001_0000000000000005",
-        "9999999999999999_9999999999999999",
+        "000000000000001_0000000000000005",
+        "9999999999999999_99999999999999999",
         "0000000000000000_000000000000000a",
         "0000000000000000_00000000000000001",
         "1,2",

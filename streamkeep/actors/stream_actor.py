@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from streamkeep.actors.mailbox import ActorGone, Message, Reply
+from streamkeep.protocol import offsets
 from streamkeep.protocol import stream as rules
 from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
 from streamkeep.protocol.headers import media_type
@@ -55,6 +56,7 @@ class PendingAppend:
 
     commit: Commit
     outcome: AppendOutcome
+    incarnation: int  # of the stream's offset tokens
 
     async def wait(self) -> AppendOutcome:
         try:
@@ -282,11 +284,13 @@ class StreamActor:
                 f"the source holds {meta.content_type!r}, the fork asked for {content_type!r}",
             )
         tail = stream_log.published_tail
-        position = tail if fork.offset is None else fork.offset
+        position = tail if fork.offset is None else fork.offset.position
         if position > tail:
             raise bad_request(
                 "fork_offset_out_of_range", "Stream-Fork-Offset is past the end of the source stream"
             )
+        if fork.offset is not None:
+            self._check_incarnation(stream_log, fork.offset.incarnation)
         if meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
             raise bad_request(
                 "invalid_fork_offset", "Stream-Fork-Offset is not at a message boundary of the source"
@@ -336,7 +340,7 @@ class StreamActor:
         plan = rules.plan_append(state, spec)
         if isinstance(plan, AppendOutcome):
             # A duplicate or an idempotent close: answer once what it repeats is durable.
-            return PendingAppend(stream_log.latest_commit(), plan)
+            return PendingAppend(stream_log.latest_commit(), plan, stream_log.meta.incarnation)
         candidate = rules.StreamState(
             rules.copy_meta(stream_log.meta), dict(stream_log.producers), state.tail
         )
@@ -355,10 +359,28 @@ class StreamActor:
             raise ProtocolError(
                 error.status, "storage_unavailable", str(error), [("Retry-After", "1")]
             ) from None
-        return PendingAppend(commit, outcome)
+        return PendingAppend(commit, outcome, stream_log.meta.incarnation)
 
-    async def read(self, start: int | str, touch: bool) -> ReadPlan:
-        """Validates `start` (a position, or "-1"/"now") against the published stream."""
+    def _check_incarnation(self, stream_log: StreamLog, incarnation: int) -> None:
+        """An offset token must be this stream's, or its fork sources' (a fork shares their
+        positions), or carry no incarnation at all; else it belongs to a deleted predecessor."""
+        if incarnation == offsets.ANY_INCARNATION:
+            return
+        meta: StreamMeta | None = stream_log.meta
+        while meta is not None:
+            if meta.incarnation == incarnation:
+                return
+            source = self._storage.open(meta.forked_from) if meta.forked_from else None
+            meta = source.meta if source is not None else None
+        raise ProtocolError(
+            410,
+            "offset_of_deleted_stream",
+            f"that offset belongs to an earlier stream named {self.name!r}, deleted since; "
+            "this one is new: read it from offset=-1",
+        )
+
+    async def read(self, start: offsets.Offset | str, touch: bool) -> ReadPlan:
+        """Validates `start` (an offset, or "-1"/"now") against the published stream."""
         now = time.time()
         stream_log = await self._existing(now)
         if touch:
@@ -369,10 +391,10 @@ class StreamActor:
         elif start == "-1":
             position = 0
         else:
-            assert isinstance(start, int)
-            position = start
+            position = start.position
             if position > view.tail:
                 raise bad_request("offset_out_of_range", "offset is past the end of the stream")
+            self._check_incarnation(stream_log, start.incarnation)
             if view.meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
                 raise bad_request("invalid_offset", "offset is not at a message boundary of this JSON stream")
         return ReadPlan(view, position, stream_log, self._changed)

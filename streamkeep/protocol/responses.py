@@ -9,7 +9,7 @@ from streamkeep.protocol.cursor import response_cursor
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.headers import is_text
 from streamkeep.protocol.model import Response
-from streamkeep.protocol.offsets import encode
+from streamkeep.protocol.offsets import Offset, encode
 from streamkeep.protocol.stream import StreamMeta
 
 NO_STORE = "no-store"
@@ -52,10 +52,10 @@ def error(err: ProtocolError) -> Response:
     return Response(err.status, [("Content-Type", "application/json"), *err.headers], body)
 
 
-def etag(meta: StreamMeta, start: int | str, end: int, closed_at_end: bool) -> str:
-    start_token = start if isinstance(start, str) else encode(start)
+def etag(meta: StreamMeta, start: Offset | str, end: int, closed_at_end: bool) -> str:
+    start_token = start if isinstance(start, str) else encode(start.position, meta.incarnation)
     suffix = ":c" if closed_at_end else ""
-    return f'"{meta.stream_id}:{start_token}:{encode(end)}{suffix}"'
+    return f'"{meta.stream_id}:{start_token}:{encode(end, meta.incarnation)}{suffix}"'
 
 
 def if_none_match_hits(header: str | None, tag: str) -> bool:
@@ -65,7 +65,7 @@ def if_none_match_hits(header: str | None, tag: str) -> bool:
 
 
 def stream_headers(meta: StreamMeta, tail: int) -> list[tuple[str, str]]:
-    out = [("Content-Type", meta.content_type), ("Stream-Next-Offset", encode(tail))]
+    out = [("Content-Type", meta.content_type), ("Stream-Next-Offset", encode(tail, meta.incarnation))]
     if meta.closed:
         out.append(("Stream-Closed", "true"))
     return out

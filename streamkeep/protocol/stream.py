@@ -12,7 +12,7 @@ from streamkeep.protocol import headers as h
 from streamkeep.protocol import jsonmode
 from streamkeep.protocol.errors import ProtocolError, bad_request, conflict
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
-from streamkeep.protocol.offsets import decode, encode
+from streamkeep.protocol.offsets import Offset, decode, encode, incarnation_of
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,17 @@ class StreamMeta:
     def json_mode(self) -> bool:
         return h.is_json(self.content_type)
 
+    @property
+    def incarnation(self) -> int:
+        """The first half of this stream's offset tokens (streamkeep.protocol.offsets)."""
+        return incarnation_of(self.stream_id)
+
 
 @dataclass(frozen=True)
 class ForkSpec:
     source: str
     offset_token: str | None  # as given, for idempotent re-creation
-    offset: int | None  # None: the source's tail
+    offset: Offset | None  # None: the source's tail
     sub_offset: int
 
     @classmethod
@@ -221,8 +226,8 @@ class AppendOutcome:
     producer_epoch: int | None = None
     producer_seq: int | None = None
 
-    def headers(self) -> list[tuple[str, str]]:
-        out = [("Stream-Next-Offset", encode(self.next_offset))]
+    def headers(self, incarnation: int) -> list[tuple[str, str]]:
+        out = [("Stream-Next-Offset", encode(self.next_offset, incarnation))]
         if self.closed:
             out.append(("Stream-Closed", "true"))
         if self.producer_epoch is not None:
@@ -238,11 +243,11 @@ class StreamState:
     tail: int = 0
 
 
-def _closed_conflict(tail: int) -> ProtocolError:
+def _closed_conflict(state: StreamState) -> ProtocolError:
     return conflict(
         "stream_closed",
         "the stream is closed and accepts no more appends",
-        [("Stream-Closed", "true"), ("Stream-Next-Offset", encode(tail))],
+        [("Stream-Closed", "true"), ("Stream-Next-Offset", encode(state.tail, state.meta.incarnation))],
     )
 
 
@@ -298,7 +303,7 @@ def plan_append(state: StreamState, spec: AppendSpec) -> AppendPlan | AppendOutc
             return AppendOutcome(204, state.tail, True, producer.epoch, producer.seq)
         if not spec.body and producer is None:
             return AppendOutcome(204, state.tail, True)
-        raise _closed_conflict(state.tail)
+        raise _closed_conflict(state)
 
     if spec.body:
         if spec.content_type is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamkeep.protocol import offsets
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 
@@ -31,13 +32,13 @@ SCHEMA = (
     "stream string, offset string, message_index long, append_time timestamp, content_type string, "
     "producer_id string, producer_epoch long, producer_seq long, payload binary, json string"
 )
-ZERO = "0000000000000000_"
 
 
 def _position(token: str | None) -> int | None:
+    """The position of an offset token (its incarnation half is not checked: Spark reads files)."""
     if not token:
         return None
-    if not token.startswith(ZERO) or len(token) != 33 or not token[17:].isdigit():
+    if len(token) != 33 or token[16] != "_" or not (token[:16] + token[17:]).isdigit():
         raise ValueError(f"not a streamkeep offset: {token!r}")
     return int(token[17:])
 
@@ -181,6 +182,7 @@ def segment_batch(segment: Segment, data: bytes, low: int | None, high: int | No
     if not records or records[0].kind != fmt.KIND_SEGMENT:
         raise OSError(f"streamkeep segment {where} has no header record")
     appends = [r for r in records[1:] if r.payload_len]
+    incarnation = offsets.incarnation_of(records[0].header.get("id", ""))
     json_mode = segment.content_type.split(";")[0].strip().lower() == "application/json"
     lengths = np.fromiter((n for r in appends for n in r.message_lengths), dtype=np.int64)
     counts = np.fromiter((len(r.message_lengths) for r in appends), dtype=np.int64, count=len(appends))
@@ -201,7 +203,7 @@ def segment_batch(segment: Segment, data: bytes, low: int | None, high: int | No
     batch = pa.RecordBatch.from_arrays(
         [
             pa.array(np.full(total, segment.stream, dtype=object), pa.string()),
-            pc.binary_join_element_wise(ZERO, digits, ""),
+            pc.binary_join_element_wise(offsets.encode(0, incarnation)[:17], digits, ""),
             pa.array(np.arange(total) - record_first, pa.int64()),
             pa.array(np.repeat([r.time_ms * 1000 for r in appends], counts).astype("datetime64[us]")).cast(
                 pa.timestamp("us", tz="UTC")

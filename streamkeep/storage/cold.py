@@ -167,7 +167,7 @@ def load_manifest(directory: Path) -> list[dict]:
 
 
 def save_manifest(directory: Path, entries: list[dict]) -> None:
-    files.replace(directory, MANIFEST, cbor2.dumps({"v": 1, "segments": entries}))
+    files.replace(files.OS, directory, MANIFEST, cbor2.dumps({"v": 1, "segments": entries}))
 
 
 def write_index(path: Path) -> list[dict]:
@@ -176,7 +176,7 @@ def write_index(path: Path) -> list[dict]:
     if reason is not None:
         raise OSError(f"sealed segment {path.name} is damaged: {reason}")
     index = [{"h": r.header, "at": r.payload_offset, "n": r.payload_len} for r in records[1:]]
-    files.replace(path.parent, path.name + INDEX_SUFFIX, cbor2.dumps({"v": 1, "records": index}))
+    files.replace(files.OS, path.parent, path.name + INDEX_SUFFIX, cbor2.dumps({"v": 1, "records": index}))
     return index
 
 

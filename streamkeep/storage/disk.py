@@ -333,7 +333,7 @@ class DiskLog:
                     written.append((segment, offset, True))
                     os.pwrite(fd, data, 0)
                     os.fsync(fd)  # a sealed predecessor and a new file: make both durable now
-                    files.fsync_dir(self.directory)
+                    files.fsync_dir(files.OS, self.directory)
                     if self._write_fd is not None:
                         os.close(self._write_fd)
                     self._write_fd = fd
@@ -382,8 +382,8 @@ class DiskLog:
         return True
 
     def _start_segment(self, segment: Segment, header: bytes) -> None:
-        files.write_new(segment.path, header)
-        files.fsync_dir(self.directory)
+        files.write_new(files.OS, segment.path, header)
+        files.fsync_dir(files.OS, self.directory)
         if self._write_fd is not None:
             os.close(self._write_fd)
             self._write_fd = None
@@ -710,11 +710,11 @@ class DiskStorage:
             raise OSError(errno.EEXIST, f"{directory} exists but holds no loaded stream; see the startup log")
         staging = self.streams_dir / f".tmp-{uuid.uuid4().hex}"
         staging.mkdir()
-        files.write_new(staging / layout.META, meta_bytes)
-        files.write_new(staging / layout.segment_filename(base), segment_bytes)
-        files.fsync_dir(staging)
+        files.write_new(files.OS, staging / layout.META, meta_bytes)
+        files.write_new(files.OS, staging / layout.segment_filename(base), segment_bytes)
+        files.fsync_dir(files.OS, staging)
         os.rename(staging, directory)
-        files.fsync_dir(self.streams_dir)
+        files.fsync_dir(files.OS, self.streams_dir)
 
     async def delete(self, name: str) -> None:
         stream_log = self._logs.pop(name, None)
@@ -735,7 +735,7 @@ class DiskStorage:
         if stream_log is None:
             return
         try:
-            await self.io(files.replace, stream_log.directory, layout.META, encode_meta(meta))
+            await self.io(files.replace, files.OS, stream_log.directory, layout.META, encode_meta(meta))
         except OSError as error:
             raise _unavailable(error, f"update of {name!r}") from None
 
@@ -744,8 +744,8 @@ class DiskStorage:
         stream_log.close_files()
         target = self.trash_dir / uuid.uuid4().hex
         os.rename(stream_log.directory, target)
-        files.fsync_dir(self.streams_dir)
-        files.fsync_dir(self.trash_dir)
+        files.fsync_dir(files.OS, self.streams_dir)
+        files.fsync_dir(files.OS, self.trash_dir)
         shutil.rmtree(target, ignore_errors=True)
 
     # ---- recovery ---------------------------------------------------------------------

@@ -181,7 +181,7 @@ class SubscriptionManager:
         if self.state_dir is None:
             return
         data = cbor2.dumps(sub.to_state())
-        await trio.to_thread.run_sync(files.replace, self.state_dir, f"{sub.id}.cbor", data)
+        await trio.to_thread.run_sync(files.replace, files.OS, self.state_dir, f"{sub.id}.cbor", data)
 
     async def _forget(self, sub: Subscription) -> None:
         if self.state_dir is not None:
@@ -194,6 +194,10 @@ class SubscriptionManager:
         if stream_log is None or stream_log.meta.soft_deleted:
             return None
         return stream_log.published_tail
+
+    def _incarnation(self, path: str) -> int:
+        stream_log = self.supervisor.storage.open(path)
+        return offsets.ANY_INCARNATION if stream_log is None else stream_log.meta.incarnation
 
     def _start_of(self, path: str) -> int:
         stream_log = self.supervisor.storage.open(path)
@@ -222,14 +226,15 @@ class SubscriptionManager:
         items = []
         for path in sorted(sub.links):
             link = sub.links[path]
+            incarnation = self._incarnation(path)
             item = {
                 "path": path,
                 "link_type": "explicit" if link.explicit else "glob",
-                "acked_offset": offsets.encode(link.acked),
+                "acked_offset": offsets.encode(link.acked, incarnation),
             }
             if snapshot is not None:
                 tail = snapshot.get(path, link.acked)
-                item["tail_offset"] = offsets.encode(tail)
+                item["tail_offset"] = offsets.encode(tail, incarnation)
                 item["has_pending"] = tail > link.acked
             items.append(item)
         return items
@@ -543,7 +548,7 @@ class SubscriptionManager:
                 or not isinstance(ack.get("offset"), str)
             ):
                 raise bad_request("INVALID_ACKS", 'each ack is {"stream": path, "offset": offset}')
-            out.append((ack["stream"], offsets.decode(ack["offset"])))
+            out.append((ack["stream"], offsets.decode(ack["offset"]).position))
         return out
 
     async def _finish(self, request: Request, sub: Subscription, kind: str) -> Response:

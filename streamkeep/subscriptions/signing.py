@@ -41,9 +41,9 @@ class Keys:
                     serialization.PrivateFormat.PKCS8,
                     serialization.NoEncryption(),
                 )
-                files.write_new(key_file, pem, mode=0o600)
+                files.write_new(files.OS, key_file, pem, mode=0o600)
             if not secret_file.exists():
-                files.write_new(secret_file, secrets.token_bytes(32), mode=0o600)
+                files.write_new(files.OS, secret_file, secrets.token_bytes(32), mode=0o600)
             loaded = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
             assert isinstance(loaded, Ed25519PrivateKey)
             self._private = loaded
