@@ -292,6 +292,15 @@ SETTINGS: tuple[Setting, ...] = (
         "tier, idle streams are sealed too, so their data reaches the bucket",
         flag="--segment-max-age",
     ),
+    Setting(
+        "storage",
+        "min_free_bytes",
+        byte_size,
+        16 << 20,
+        "free space on the data directory's file system kept for metadata: appends and creates get "
+        "507 below it, while manifests, subscription state and deletes still work",
+        flag="--min-free-bytes",
+    ),
     Setting("storage", "io_threads", positive_int, 32, "worker threads for disk I/O", flag="--io-threads"),
     Setting(
         "cold",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import trio
 
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.health import Health
 from streamkeep.live import Batch, LiveStream, ReadView
 from streamkeep.protocol import offsets, responses, sse
 from streamkeep.protocol.cursor import response_cursor
@@ -26,7 +27,7 @@ from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
 from streamkeep.protocol.offsets import Offset
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
 from streamkeep.storage import forks
-from streamkeep.storage.base import StorageUnavailable
+from streamkeep.storage.errors import STORAGE_ERRORS, as_protocol_error
 from streamkeep.subscriptions.manager import CONTROL_PREFIX, SubscriptionManager
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ class Service:
         self._live: dict[tuple[str, int], LiveStream] = {}
         # Where live fan-out runs its push loops; without one, subscribers wake and send themselves.
         self.nursery: trio.Nursery | None = None
+        # Background work started for the service (the TTL sweep), and the other parts'
+        # /stats sections (storage, cold tier, subscriptions), registered by the server.
+        self.health = Health()
+        self.stats_sources: dict[str, Callable[[], dict]] = {}
         # How live readers got their data: one "shared" read served every reader of a change, "alone"
         # reads were a reader's own (catching up), "cached" re-polls needed no read at all.
         self.live_reads: Counter[str] = Counter()
@@ -73,9 +78,8 @@ class Service:
         for live in self._live.values():
             live.wake_all()
 
-    async def sweep_expired(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def sweep_expired(self) -> None:
         """Deletes streams whose TTL or expiry passed, even if nobody asks for them again."""
-        task_status.started()
         while True:
             await trio.sleep(self.options.sweep_interval)
             now = time.time()
@@ -139,7 +143,7 @@ class Service:
 
     def _stats(self) -> Response:
         storage = self.supervisor.storage
-        body = {
+        body: dict[str, object] = {
             "streams": len(storage.names()),
             "stored_bytes": storage.budget.total_bytes,
             "actors_active": self.supervisor.active,
@@ -151,7 +155,10 @@ class Service:
                 self.live_reads,
                 pushed=self.live_reads["pushed"] + sum(live.pushes for live in self._live.values()),
             ),
+            "background": self.health.stats(),
         }
+        for section, source in self.stats_sources.items():
+            body[section] = source()
         return Response(
             200,
             [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
@@ -206,10 +213,8 @@ class Service:
                 self.options.read_chunk_bytes,
                 whole_messages=view.meta.json_mode,
             )
-        except StorageUnavailable as error:
-            raise ProtocolError(
-                error.status, "storage_unavailable", str(error), [("Retry-After", "1")]
-            ) from None
+        except STORAGE_ERRORS as error:
+            raise as_protocol_error(error, name) from None
         return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)
 
     async def _catch_up(self, name: str, start: Offset | str, request: Request) -> Response:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 from pathlib import Path
@@ -17,9 +16,11 @@ from ops.serverproc import ServerProcess, start
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
-from streamkeep.storage.base import AppendRecord, ByteBudget, StorageUnavailable
+from streamkeep.storage.base import AppendRecord, ByteBudget
 from streamkeep.storage.disk import DiskStorage
+from streamkeep.storage.errors import StorageUnavailable
 from tests.conftest import segment_files
+from tests.faultyfs import FaultyFS, enospc, half_then_enospc
 
 CT = {"Content-Type": "text/plain"}
 
@@ -167,20 +168,13 @@ def plain(log, body: bytes) -> AppendRecord:  # type: ignore[no-untyped-def]
     return AppendRecord([body], log.meta, None, False, None)
 
 
-async def test_disk_full_fails_the_append_and_rolls_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22))
+async def test_disk_full_fails_the_append_and_rolls_back(tmp_path: Path) -> None:
+    fs = FaultyFS()
+    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), fs=fs)
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)
         log = await storage.create(new_meta("s"), [b"first;"])
-        real_pwrite = os.pwrite
-
-        def full_disk(fd, data, offset):  # type: ignore[no-untyped-def]
-            real_pwrite(fd, data[: len(data) // 2], offset)  # a partial write, then ENOSPC
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(os, "pwrite", full_disk)
+        fs.script("pwrite", half_then_enospc())  # a short write, then ENOSPC
         first = log.submit(plain(log, b"doomed-1;"))
         second = log.submit(plain(log, b"doomed-2;"))
         with pytest.raises(StorageUnavailable) as caught:
@@ -190,7 +184,7 @@ async def test_disk_full_fails_the_append_and_rolls_back(
             await second.wait()
         assert log.tail == log.published_tail == len(b"first;")
         assert (await log.read(0, 1024, whole_messages=False)).messages == [b"first;"]
-        monkeypatch.setattr(os, "pwrite", real_pwrite)
+        fs.clear()
         assert await log.submit(plain(log, b"second;")).wait() == len(b"first;second;")
         nursery.cancel_scope.cancel()
     # the partial write was cut off again: a fresh recovery sees exactly the good records
@@ -240,14 +234,13 @@ def test_segment_files_are_self_describing(tmp_path: Path) -> None:
     assert records[2].closes and records[2].payload_len == 0
 
 
-async def test_disk_full_answers_507_json_and_reads_go_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_disk_full_answers_507_json_and_reads_go_on(tmp_path: Path) -> None:
     from streamkeep.actors.supervisor import Supervisor
     from streamkeep.protocol.model import Headers, Request
     from streamkeep.service import Service, ServiceOptions
 
-    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22))
+    fs = FaultyFS()
+    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), fs=fs)
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)
         service = Service(Supervisor(storage, nursery), ServiceOptions())
@@ -257,16 +250,13 @@ async def test_disk_full_answers_507_json_and_reads_go_on(
 
         assert (await service.handle(request("PUT", b"kept;"))).status == 201
 
-        def no_space(*args: object) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(os, "pwrite", no_space)
+        fs.script("pwrite", enospc)
         failed = await service.handle(request("POST", b"lost;"))
-        assert failed.status == 507
+        assert failed.status == 507 and failed.header("Retry-After") == "1"
         assert b"disk is full" in failed.body and failed.header("Content-Type") == "application/json"
         read = await service.handle(request("GET", query="offset=-1"))
         assert read.status == 200 and read.body == b"kept;"
-        monkeypatch.undo()
+        fs.clear()
         assert (await service.handle(request("POST", b"later;"))).status == 204
         assert (await service.handle(request("GET", query="offset=-1"))).body == b"kept;later;"
         nursery.cancel_scope.cancel()

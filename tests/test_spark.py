@@ -300,3 +300,27 @@ def test_export_job_partitions_by_stream_and_day(tmp_path: Path, spark) -> None:
     partitions = sorted(p.relative_to(out).as_posix() for p in out.glob("stream=*/day=*"))
     assert len(partitions) == 2 and all(p.count("/") == 1 for p in partitions)
     assert spark.read.parquet(str(out)).count() == 6
+
+
+def test_buckets_of_both_key_layouts_read_the_same(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Format 1 keys (`<stream dir>/<segment>`) and format 2 keys (with the incarnation) both read."""
+    from streamkeep.storage import files, migrate
+    from tests.test_format import store, v1_world
+
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    moto = Moto()
+    moto.start()
+    try:
+        data = v1_world(tmp_path, moto)
+
+        def plain_bytes() -> bytes:
+            rows = load(spark, "s3://archive/prod", moto, streams="plain").orderBy("offset").collect()
+            return b"".join(bytes(r.payload) for r in rows)
+
+        assert plain_bytes() == b"p0;p1;p2;p3;p4;p5;"  # the two segments format 1 moved to the bucket
+        migrate.upgrade(files.OS, data, store(moto), lambda line: None)
+        assert all("/plain/" in key and key.count("/") == 4 for key in moto.keys("archive"))
+        assert plain_bytes() == b"p0;p1;p2;p3;p4;p5;"
+    finally:
+        moto.stop()

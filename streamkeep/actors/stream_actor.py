@@ -23,7 +23,8 @@ from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
 from streamkeep.protocol.headers import media_type
 from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSpec, StreamMeta
 from streamkeep.storage import forks
-from streamkeep.storage.base import AppendRecord, Commit, StorageFull, StorageUnavailable, StreamLog
+from streamkeep.storage.base import AppendRecord, Commit, StreamLog
+from streamkeep.storage.errors import STORAGE_ERRORS, as_protocol_error
 
 if TYPE_CHECKING:
     from streamkeep.actors.supervisor import Supervisor
@@ -57,14 +58,13 @@ class PendingAppend:
     commit: Commit
     outcome: AppendOutcome
     incarnation: int  # of the stream's offset tokens
+    name: str
 
     async def wait(self) -> AppendOutcome:
         try:
             await self.commit.wait()
-        except StorageUnavailable as error:
-            code = "storage_full" if error.status == 507 else "storage_unavailable"
-            headers = [("Retry-After", "1")] if error.status == 503 else []
-            raise ProtocolError(error.status, code, str(error), headers) from None
+        except STORAGE_ERRORS as error:
+            raise as_protocol_error(error, self.name) from None
         return self.outcome
 
 
@@ -118,7 +118,9 @@ class StreamActor:
             result = await message.handler(*message.args)
         except ProtocolError as error:
             message.reply.fail(error)
-        except Exception as error:  # a bug or a storage fault: answer 500, keep the actor alive
+        except STORAGE_ERRORS as error:  # the one place storage failures become answers
+            message.reply.fail(as_protocol_error(error, self.name))
+        except Exception as error:  # a bug: answer 500, keep the actor alive
             log.exception("stream %r: %s failed", self.name, message.handler.__name__)
             message.reply.fail(error)
         else:
@@ -140,7 +142,10 @@ class StreamActor:
         self._changed.set()
         self._changed = trio.Event()
         for listener in self._supervisor.listeners:
-            listener(self.name)
+            try:
+                listener(self.name)
+            except Exception:  # a listener's bug must not fail the stream's own operation
+                log.exception("stream %r: a change listener failed", self.name)
 
     def _view(self, stream_log: StreamLog) -> StreamView:
         meta = rules.copy_meta(stream_log.meta)
@@ -166,18 +171,15 @@ class StreamActor:
             stream_log.meta.soft_deleted = True
             try:
                 await self._storage.save_meta(self.name, stream_log.meta)
-            except StorageUnavailable as error:
+            except BaseException:
                 stream_log.meta.soft_deleted = False
-                raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
+                raise
             self._notify()
             return
         await self._hard_delete(stream_log)
 
     async def _hard_delete(self, stream_log: StreamLog) -> None:
-        try:
-            await self._storage.delete(self.name)
-        except StorageUnavailable as error:
-            raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
+        await self._storage.delete(self.name)
         stream_log.on_publish = None
         self._notify()
         source = stream_log.meta.forked_from
@@ -223,12 +225,7 @@ class StreamActor:
         return 201, self._view(created)
 
     async def _create(self, meta: StreamMeta, messages: list[bytes]) -> StreamLog:
-        try:
-            return await self._storage.create(meta, messages)
-        except StorageFull as error:
-            raise _full(error) from None
-        except StorageUnavailable as error:
-            raise ProtocolError(error.status, "storage_unavailable", str(error)) from None
+        return await self._storage.create(meta, messages)
 
     async def _create_fork(self, spec: CreateSpec, now: float) -> StreamLog:
         fork = spec.fork
@@ -340,7 +337,7 @@ class StreamActor:
         plan = rules.plan_append(state, spec)
         if isinstance(plan, AppendOutcome):
             # A duplicate or an idempotent close: answer once what it repeats is durable.
-            return PendingAppend(stream_log.latest_commit(), plan, stream_log.meta.incarnation)
+            return PendingAppend(stream_log.latest_commit(), plan, stream_log.meta.incarnation, self.name)
         candidate = rules.StreamState(
             rules.copy_meta(stream_log.meta), dict(stream_log.producers), state.tail
         )
@@ -351,15 +348,8 @@ class StreamActor:
             else None
         )
         record = AppendRecord(plan.messages, candidate.meta, producer, plan.close, plan.stream_seq)
-        try:
-            commit = stream_log.submit(record)
-        except StorageFull as error:
-            raise _full(error) from None
-        except StorageUnavailable as error:
-            raise ProtocolError(
-                error.status, "storage_unavailable", str(error), [("Retry-After", "1")]
-            ) from None
-        return PendingAppend(commit, outcome, stream_log.meta.incarnation)
+        commit = stream_log.submit(record)
+        return PendingAppend(commit, outcome, stream_log.meta.incarnation, self.name)
 
     def _check_incarnation(self, stream_log: StreamLog, incarnation: int) -> None:
         """An offset token must be this stream's, or its fork sources' (a fork shares their
@@ -437,12 +427,6 @@ def _gone(name: str) -> ProtocolError:
     return ProtocolError(
         410, "stream_deleted", f"stream {name!r} was deleted; only its forks still read its data"
     )
-
-
-def _full(error: StorageFull) -> ProtocolError:
-    if error.per_stream:
-        return ProtocolError(413, "stream_too_large", str(error))
-    return ProtocolError(507, "storage_full", f"{error}; delete streams or raise the cap")
 
 
 __all__ = ["ActorGone", "PendingAppend", "ReadPlan", "StreamActor", "StreamView"]

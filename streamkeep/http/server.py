@@ -13,13 +13,16 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.background import supervised
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
 from streamkeep.http.budget import BodyBudget
 from streamkeep.http.lean import EdgeLimits, serve_lean
 from streamkeep.service import Service, ServiceOptions
+from streamkeep.storage import files, migrate
+from streamkeep.storage.archiver import Archiver
 from streamkeep.storage.base import ByteBudget
-from streamkeep.storage.cold import ColdConfig
+from streamkeep.storage.coldstore import ColdConfig, S3Store
 from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.memory import MemoryStorage
 from streamkeep.subscriptions.manager import SubscriptionManager
@@ -48,24 +51,33 @@ def hypercorn_config(settings: SimpleNamespace) -> Config:
     return config
 
 
-async def open_storage(settings: SimpleNamespace, nursery: trio.Nursery) -> MemoryStorage | DiskStorage:
+async def open_storage(
+    settings: SimpleNamespace, nursery: trio.Nursery
+) -> tuple[MemoryStorage | DiskStorage, Archiver | None]:
+    """The configured storage, recovered (and upgraded to the current format if it was older),
+    with its background work started; and its cold tier, if one is configured."""
     limits = settings.limits
     if settings.storage.mode == "memory":
-        return MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes)
+        return MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes), None
     options = settings.storage
+    root = Path(options.data_dir)
+    cold = ColdConfig.from_settings(settings)
+    store = await trio.to_thread.run_sync(S3Store, cold) if cold is not None else None
+    if await trio.to_thread.run_sync(migrate.pending_version, files.OS, root):
+        await trio.to_thread.run_sync(migrate.upgrade, files.OS, root, store, log.info)
     storage = DiskStorage(
-        Path(options.data_dir),
+        root,
         budget=ByteBudget(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes),
         fsync=options.fsync,
         fsync_interval=options.fsync_interval,
         segment_max_bytes=options.segment_max_bytes,
         segment_max_messages=options.segment_max_messages,
+        segment_max_age=options.segment_max_age,
         io_threads=options.io_threads,
         sync_method=options.sync_method,
-        cold=cold_config(settings),
-        segment_max_age=options.segment_max_age,
+        min_free_bytes=options.min_free_bytes,
     )
-    log.info("recovering streams from %s ...", Path(options.data_dir).resolve())
+    log.info("recovering streams from %s ...", root.resolve())
     report = await storage.start(nursery)
     log.info(
         "recovered %d streams (%d appends, %d bytes) in %.2f s; %d repaired, %d skipped",
@@ -76,23 +88,12 @@ async def open_storage(settings: SimpleNamespace, nursery: trio.Nursery) -> Memo
         len(report.repaired),
         len(report.skipped),
     )
-    return storage
-
-
-def cold_config(settings: SimpleNamespace) -> ColdConfig | None:
-    options = settings.cold
-    if not options.url:
-        return None
-    return ColdConfig.from_url(
-        options.url,
-        endpoint=options.endpoint or None,
-        region=options.region or None,
-        create_bucket=options.create_bucket,
-        keep_local=options.keep_local,
-        high_water_bytes=options.high_water_bytes,
-        cache_bytes=options.cache_bytes,
-        transfers=options.transfers,
-    )
+    archiver = None
+    if store is not None and cold is not None:
+        archiver = Archiver(storage, store, cold)
+        storage.cold = archiver
+        nursery.start_soon(supervised, "cold tier", archiver.run, archiver.health)
+    return storage, archiver
 
 
 def build_service(
@@ -129,10 +130,14 @@ def tls_context(settings: SimpleNamespace) -> ssl.SSLContext | None:
 
 async def serve(settings: SimpleNamespace) -> None:
     async with trio.open_nursery() as nursery:
-        storage = await open_storage(settings, nursery)
+        storage, archiver = await open_storage(settings, nursery)
         service = build_service(settings, nursery, storage)
         service.nursery = nursery
-        nursery.start_soon(service.sweep_expired)
+        if isinstance(storage, DiskStorage):
+            service.stats_sources["storage"] = storage.stats
+        if archiver is not None:
+            service.stats_sources["cold"] = archiver.stats
+        nursery.start_soon(supervised, "TTL sweep", service.sweep_expired, service.health)
         state = Path(settings.storage.data_dir) if settings.storage.mode == "disk" else None
         keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")
         service.subscriptions = SubscriptionManager(

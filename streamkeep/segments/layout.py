@@ -1,4 +1,4 @@
-"""Where a stream's files live under a data directory (docs/segment-format.md, "Layout")."""
+"""Where a stream's files live under a data directory and in the bucket (docs/segment-format.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import hashlib
 from urllib.parse import quote
 
 FORMAT_FILE = "FORMAT"
-FORMAT_LINE = "streamkeep-segments 1\n"
+FORMAT_VERSION = 2
+FORMAT_PREFIX = "streamkeep-segments "
+FORMAT_LINE = f"{FORMAT_PREFIX}{FORMAT_VERSION}\n"
 STREAMS = "streams"
 TRASH = "trash"
 META = "meta.cbor"
@@ -30,3 +32,32 @@ def segment_filename(start: int) -> str:
 
 def segment_start(filename: str) -> int:
     return int(filename.removesuffix(SEGMENT_SUFFIX))
+
+
+def cold_root(prefix: str) -> str:
+    """`PREFIX/streams/` (or `streams/` without a prefix): every segment object lives below it."""
+    return f"{prefix}/{STREAMS}/" if prefix else f"{STREAMS}/"
+
+
+def cold_key(prefix: str, stream_dir: str, stream_id: str, segment_file: str) -> str:
+    """Format 2: `PREFIX/streams/<stream dir>/<stream id>/<segment file>`. The stream id names the
+    incarnation, so a stream deleted and created again never shares an object with its predecessor."""
+    return f"{cold_root(prefix)}{stream_dir}/{stream_id}/{segment_file}"
+
+
+def v1_cold_key(key: str) -> str:
+    """The format-1 key of the same segment (`.../<stream dir>/<segment file>`, no incarnation)."""
+    head, _, file = key.rpartition("/")
+    return f"{head.rpartition('/')[0]}/{file}"
+
+
+def parse_cold_key(root: str, key: str) -> tuple[str, str | None, str] | None:
+    """(stream dir, stream id or None for format 1, segment file) of a key under `root`."""
+    if not key.startswith(root) or not key.endswith(SEGMENT_SUFFIX):
+        return None
+    parts = key[len(root) :].split("/")
+    if len(parts) == 2:
+        return parts[0], None, parts[1]
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    return None

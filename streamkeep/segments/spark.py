@@ -109,7 +109,7 @@ def _plan_directory(root: Path, options: dict[str, str], patterns: list[str]) ->
         if meta.get("deleted") or not _wanted(meta["name"], patterns):
             continue
         manifest = {}
-        if (directory / "cold.cbor").exists():
+        if (directory / "cold.cbor").exists():  # keys of either format: the manifest names them
             manifest = {e["file"]: e for e in cbor2.loads((directory / "cold.cbor").read_bytes())["segments"]}
         local = {p.name for p in directory.glob("*" + layout.SEGMENT_SUFFIX)}
         names = sorted(local | set(manifest))
@@ -129,22 +129,29 @@ def _plan_directory(root: Path, options: dict[str, str], patterns: list[str]) ->
 
 
 def _plan_bucket(url: str, options: dict[str, str], patterns: list[str]) -> list[Segment]:
+    """Segments straight from a bucket listing, in either key layout: format 2
+    (`<stream dir>/<stream id>/<segment>`) and format 1 (`<stream dir>/<segment>`). If a stream
+    directory holds objects of several incarnations (a stream deleted and created again, its old
+    objects not yet deleted by the server), only the incarnation written last is read."""
     from urllib.parse import unquote
 
     bucket, prefix = _bucket_prefix(url)
     client = _s3(options)
-    root = f"{prefix}/{layout.STREAMS}/" if prefix else f"{layout.STREAMS}/"
-    by_stream: dict[str, list[str]] = {}
+    root = layout.cold_root(prefix)
+    incarnations: dict[str, dict[str | None, list[tuple[str, float]]]] = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root):
         for item in page.get("Contents", []):
-            directory, _, file = item["Key"][len(root) :].partition("/")
-            if file.endswith(layout.SEGMENT_SUFFIX):
-                by_stream.setdefault(directory, []).append(file)
+            parsed = layout.parse_cold_key(root, item["Key"])
+            if parsed is not None:
+                directory, stream_id, file = parsed
+                found = incarnations.setdefault(directory, {}).setdefault(stream_id, [])
+                found.append((file, item["LastModified"].timestamp()))
     out: list[Segment] = []
-    for directory, names in sorted(by_stream.items()):
-        names.sort()
-        first_key = f"{root}{directory}/{names[0]}"
-        head = client.get_object(Bucket=bucket, Key=first_key, Range="bytes=0-4095")["Body"].read()
+    for directory, by_id in sorted(incarnations.items()):
+        stream_id, objects = max(by_id.items(), key=lambda item: max(modified for _, modified in item[1]))
+        names = sorted(file for file, _ in objects)
+        base = f"{root}{directory}/" + (f"{stream_id}/" if stream_id is not None else "")
+        head = client.get_object(Bucket=bucket, Key=base + names[0], Range="bytes=0-4095")["Body"].read()
         header = fmt.decode_at(head, 0).header
         name = header.get("name") or unquote(directory)
         if not _wanted(name, patterns):
@@ -152,14 +159,7 @@ def _plan_bucket(url: str, options: dict[str, str], patterns: list[str]) -> list
         for number, file in enumerate(names):
             following = layout.segment_start(names[number + 1]) if number + 1 < len(names) else None
             out.append(
-                Segment(
-                    name,
-                    header["ct"],
-                    layout.segment_start(file),
-                    following,
-                    False,
-                    key=f"{root}{directory}/{file}",
-                )
+                Segment(name, header["ct"], layout.segment_start(file), following, False, key=base + file)
             )
     return out
 

@@ -1,4 +1,4 @@
-"""The storage interface the actors program against: memory and disk now, a cold tier later.
+"""The storage interface the actors program against (memory and disk storage implement it).
 
 A `StreamLog` is one stream's state. It keeps two views of it:
 
@@ -22,22 +22,7 @@ from typing import Protocol
 import trio
 
 from streamkeep.protocol.stream import ProducerState, StreamMeta
-
-
-class StorageFull(Exception):
-    """An append would pass a byte cap; `per_stream` tells which one."""
-
-    def __init__(self, message: str, *, per_stream: bool) -> None:
-        super().__init__(message)
-        self.per_stream = per_stream
-
-
-class StorageUnavailable(Exception):
-    """The write failed (disk full, I/O error); nothing of it is visible. `status` is 503 or 507."""
-
-    def __init__(self, message: str, *, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+from streamkeep.storage.errors import StorageFull
 
 
 class ByteBudget:
@@ -70,20 +55,24 @@ class Commit:
 
     def __init__(self) -> None:
         self._done = trio.Event()
-        self._error: StorageUnavailable | None = None
+        self._error: Exception | None = None
         self.tail = 0
 
     def resolve(self, tail: int) -> None:
         self.tail = tail
         self._done.set()
 
-    def fail(self, error: StorageUnavailable) -> None:
+    def fail(self, error: Exception) -> None:
         self._error = error
         self._done.set()
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    async def settled(self) -> None:
+        """Waits until the commit resolved or failed, without raising."""
+        await self._done.wait()
 
     async def wait(self) -> int:
         await self._done.wait()

@@ -7,7 +7,8 @@ on any storage through the `StreamLog` interface.
 
 from __future__ import annotations
 
-from streamkeep.storage.base import ReadResult, Storage, StorageUnavailable, StreamLog
+from streamkeep.storage.base import ReadResult, Storage, StreamLog
+from streamkeep.storage.errors import StorageUnavailable
 
 
 def _source(storage: Storage, log: StreamLog) -> StreamLog:

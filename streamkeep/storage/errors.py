@@ -1,0 +1,74 @@
+"""What storage can fail with, and the one place those failures become protocol errors.
+
+Storage raises three things: `StorageFull` (a configured byte cap), `StorageUnavailable` (the disk
+or the cold tier could not do it: full, I/O error, S3 down; nothing of the operation happened) and
+`StreamDeleted` (the stream went away while the operation was on its way). Actors and the service
+turn them into answers with `as_protocol_error`, so every path gives the same status, code and
+`Retry-After` for the same cause.
+"""
+
+from __future__ import annotations
+
+import errno
+
+from streamkeep.protocol.errors import ProtocolError, not_found
+
+RETRY_AFTER = [("Retry-After", "1")]
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class StorageFull(Exception):
+    """An append would pass a byte cap; `per_stream` tells which one."""
+
+    def __init__(self, message: str, *, per_stream: bool) -> None:
+        super().__init__(message)
+        self.per_stream = per_stream
+
+
+class StorageUnavailable(Exception):
+    """The write or read failed and nothing of it happened. `status` is 503 (retry shortly) or 507
+    (the disk is full: appends resume once space is freed)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class StreamDeleted(Exception):
+    """The stream was deleted while this operation was on its way (it is answered 404)."""
+
+
+def is_disk_full(error: OSError) -> bool:
+    return error.errno in _FULL_ERRNOS
+
+
+def from_os_error(error: OSError, what: str) -> StorageUnavailable:
+    if is_disk_full(error):
+        return StorageUnavailable(
+            f"{what}: the disk is full; appends resume by themselves once space is freed "
+            "(delete streams, let the cold tier move segments out, or add capacity)",
+            status=507,
+        )
+    return StorageUnavailable(f"{what}: {error.strerror or error}; retry shortly", status=503)
+
+
+def below_reserve(what: str, free: int, reserve: int) -> StorageUnavailable:
+    return StorageUnavailable(
+        f"{what}: the disk has {free} bytes free, less than the {reserve} bytes kept in reserve "
+        "(--min-free-bytes) for metadata; appends resume by themselves once space is freed",
+        status=507,
+    )
+
+
+def as_protocol_error(error: StorageFull | StorageUnavailable | StreamDeleted, name: str) -> ProtocolError:
+    if isinstance(error, StreamDeleted):
+        return not_found(name)
+    if isinstance(error, StorageFull):
+        if error.per_stream:
+            return ProtocolError(413, "stream_too_large", str(error))
+        return ProtocolError(507, "storage_full", f"{error}; delete streams or raise the cap", RETRY_AFTER)
+    code = "storage_full" if error.status == 507 else "storage_unavailable"
+    return ProtocolError(error.status, code, str(error), RETRY_AFTER)
+
+
+STORAGE_ERRORS = (StorageFull, StorageUnavailable, StreamDeleted)

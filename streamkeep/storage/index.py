@@ -1,0 +1,103 @@
+"""Where each published record of a stream lives, and a small cache of the newest payloads.
+
+One entry per append record: its first stream position, its payload length, its segment, where
+its payload starts in that segment's file, and its message lengths when it holds more than one
+message (a JSON array append). Positions are contiguous, so a position's record is found by
+bisecting the entries' starts. Pure bookkeeping: no I/O.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(eq=False)
+class Segment:
+    """One segment file of a stream (docs/segment-format.md). Compared by identity."""
+
+    start: int
+    path: Path
+    size: int  # bytes written and published
+    appends: int = 0  # append records in it
+    cold_key: str | None = None  # its object in the bucket, once uploaded and verified
+    local: bool = True  # False once the local copy is gone: reads go to the bucket
+    first_ms: int | None = None  # append time of its first record: the segment's age
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    start: int
+    length: int
+    segment: Segment
+    payload_at: int
+    messages: list[int] | None  # message lengths, when the record holds more than one
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class RecordIndex:
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # a plain list beside the entries, for bisect
+        self.entries: list[Entry] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, entry: Entry) -> None:
+        self._starts.append(entry.start)
+        self.entries.append(entry)
+
+    def find(self, position: int) -> int:
+        """The index of the record holding `position`, or -1 before the first."""
+        return bisect_right(self._starts, position) - 1
+
+    def record_end(self, position: int, tail: int) -> int | None:
+        """Where the record holding `position` ends, or None at or past `tail`."""
+        index = self.find(position)
+        if index < 0 or position >= tail:
+            return None
+        return self.entries[index].end
+
+    def is_boundary(self, position: int, base: int, tail: int) -> bool:
+        """Whether a message starts at `position` (the base and the tail always count)."""
+        if position in (base, tail):
+            return True
+        index = self.find(position)
+        if index < 0 or position > tail:
+            return False
+        entry = self.entries[index]
+        at = entry.start
+        if at == position:
+            return True
+        for length in entry.messages or ():
+            at += length
+            if at == position:
+                return True
+        return False
+
+
+class TailCache:
+    """The payloads of the newest records, by record index, bounded in bytes: live readers and
+    catch-ups near the tail are served without touching the disk."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: OrderedDict[int, bytes] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, index: int) -> bytes | None:
+        return self._items.get(index)
+
+    def put(self, index: int, payload: bytes) -> None:
+        if len(payload) > self.limit:
+            return
+        self._items[index] = payload
+        self._bytes += len(payload)
+        while self._bytes > self.limit:
+            _, dropped = self._items.popitem(last=False)
+            self._bytes -= len(dropped)
