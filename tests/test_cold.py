@@ -264,3 +264,83 @@ def test_forks_read_inherited_ranges_from_the_bucket(tmp_path: Path, moto: Moto)
         assert read_all(f"{server.url}/v1/stream/branch") == b"".join(history) + b"own"
     finally:
         server.stop()
+
+
+def test_archive_verify_keeps_what_a_live_server_may_still_be_recording(tmp_path: Path, moto: Moto) -> None:
+    """`archive verify --delete-orphans` beside a running server deleted an object uploaded but not
+    yet in its manifest. Objects a live stream can still claim are kept until they are old."""
+    server = cold_server(tmp_path, moto)
+    url = f"{server.url}/v1/stream/live"
+    try:
+        httpx.put(url, headers=OCTETS)
+        for _ in range(3):
+            httpx.post(url, content=os.urandom(1_100_000), headers=OCTETS, timeout=30)
+        wait_until(lambda: len(segment_files(tmp_path, "live")) == 1, what="uploads")
+        live_key = next(k for k in moto.keys("archive", "prod/streams/live/"))
+        in_flight = live_key.rsplit("/", 1)[0] + "/0000000099999999.seg"  # this incarnation, no manifest entry
+        dead = "prod/streams/live/0123456789ab/0000000000000000.seg"  # another incarnation of the name
+        client = boto3.client(
+            "s3", endpoint_url=moto.url, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1"
+        )
+        for key in (in_flight, dead):
+            client.put_object(Bucket="archive", Key=key, Body=b"x")
+        command = [sys.executable, "-m", "streamkeep", "archive", "verify", "--data-dir", str(tmp_path)]
+        command += ["--cold-url", "s3://archive/prod", "--cold-endpoint", moto.url, "--delete-orphans"]
+        env = {**os.environ, **CREDENTIALS}
+        verify = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+        assert verify.returncode == 0, verify.stderr
+        assert "1 recent objects of live streams" in verify.stdout and "deleted 1 orphaned" in verify.stdout
+        remaining = moto.keys("archive", "prod/streams/live/")
+        assert in_flight in remaining and dead not in remaining
+        old_enough = subprocess.run([*command, "--orphan-min-age", "0"], capture_output=True, text=True, env=env, timeout=60)
+        assert "deleted 1 orphaned" in old_enough.stdout and in_flight not in moto.keys("archive", "prod/streams/live/")
+        assert read_all(url) is not None and len(read_all(url)) == 3_300_000
+    finally:
+        server.stop()
+
+
+async def test_objects_a_bucket_refuses_to_delete_are_retried(tmp_path: Path, moto: Moto) -> None:
+    """DeleteObjects answers 200 with per-key Errors; those keys were forgotten. They are retried,
+    and the durable list of what is left to delete stays until it is done."""
+    import trio
+
+    from streamkeep.protocol.stream import StreamMeta
+    from streamkeep.storage.archiver import Archiver
+    from streamkeep.storage.base import AppendRecord, ByteBudget
+    from streamkeep.storage.coldstore import ColdConfig, S3Store
+    from streamkeep.storage.disk import DiskStorage
+
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    config = ColdConfig.from_url("s3://archive/prod", endpoint=moto.url, region="us-east-1", create_bucket=True)
+
+    class Refusing(S3Store):
+        refused = 0
+
+        def delete(self, keys: list[str]) -> list[str]:
+            if self.refused < 2:  # the first two calls refuse one key each, as S3 can
+                self.refused += 1
+                return [*super().delete(keys[1:]), keys[0]]
+            return super().delete(keys)
+
+    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 26, max_total_bytes=1 << 28), segment_max_messages=1)
+    store = Refusing(config)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        archiver = Archiver(storage, store, config)
+        storage.cold = archiver
+        nursery.start_soon(archiver.run)
+        meta = StreamMeta(name="gone", stream_id="a1b2c3d4e5f6", content_type="text/plain", created_at=0.0)
+        log = await storage.create(meta, [b"0;"])
+        for i in range(1, 4):
+            await log.submit(AppendRecord([b"%d;" % i], log.meta, None, False, None)).wait()
+        with trio.fail_after(30):
+            while len(log.cold_entries) < 3:
+                await trio.sleep(0.1)
+        await storage.delete("gone")
+        assert len(list((tmp_path / "trash").glob("*.objects"))) == 1
+        with trio.fail_after(30):
+            while moto.keys("archive", "prod/streams/gone/") or list((tmp_path / "trash").glob("*.objects")):
+                await trio.sleep(0.2)
+        assert store.refused == 2
+        nursery.cancel_scope.cancel()
