@@ -133,6 +133,7 @@ class DiskLog:
             segment.first_ms = record.time_ms
         segment.appends += 1
         segment.size = max(segment.size, record.end)
+        segment.last_record_at = record.file_offset
         producer = record.producer
         if producer is not None:
             self._durable_producers[producer[0]] = ProducerState(producer[1], producer[2])
@@ -233,12 +234,14 @@ class DiskLog:
     def _publish(self, batch: Batch) -> None:
         storage = self._storage
         sealed = False
-        for pending, (segment, payload_at, header) in zip(batch.pending, batch.plan.entries, strict=True):
+        for pending, (segment, record_at, payload_at, header) in zip(
+            batch.pending, batch.plan.entries, strict=True
+        ):
             if segment is not self.segments[-1]:
                 self.segments.append(segment)  # the first append of a segment this batch rotated to
                 sealed = True
             payload = b"".join(pending.record.messages)
-            record = fmt.Record(fmt.KIND_APPEND, header, 0, payload_at, len(payload), payload)
+            record = fmt.Record(fmt.KIND_APPEND, header, record_at, payload_at, len(payload), payload)
             self.index_record(segment, record, payload)
             self._durable_meta = pending.record.meta
             pending.commit.resolve(self._pub_tail)
@@ -654,6 +657,8 @@ class DiskStorage:
         for segment, record in loaded.records:
             stream_log.index_record(segment, record, None)
         stream_log.adopt_durable_state(loaded.last_ms)
+        if self.fsync == "always":  # what recovery read was synced before it was acknowledged
+            stream_log.writer.synced_size = stream_log.active_segment.size
         self._logs[stream_log.meta.name] = stream_log
         self.budget.total_bytes += stream_log.tail - stream_log.meta.fork_base
         return stream_log

@@ -25,6 +25,7 @@ class Segment:
     cold_key: str | None = None  # its object in the bucket, once uploaded and verified
     local: bool = True  # False once the local copy is gone: reads go to the bucket
     first_ms: int | None = None  # append time of its first record: the segment's age
+    last_record_at: int | None = None  # where its last append record starts in the file
 
 
 @dataclass(slots=True, eq=False)

@@ -61,8 +61,8 @@ class WritePlan:
     """A batch as bytes: per segment, where and what; and per append, where its record landed."""
 
     parts: list[Part] = field(default_factory=list)
-    # per pending append: its segment, where its payload starts there, and its record header
-    entries: list[tuple[Segment, int, dict]] = field(default_factory=list)
+    # per pending append: its segment, where its record and its payload start there, its header
+    entries: list[tuple[Segment, int, int, dict]] = field(default_factory=list)
     size: int = 0  # bytes to write in all
 
 
@@ -111,7 +111,7 @@ def plan_batch(
         )
         payload = b"".join(record.messages)
         data = fmt.frame_append(header, payload)
-        plan.entries.append((segment, size + len(data) - len(payload), header))
+        plan.entries.append((segment, size, size + len(data) - len(payload), header))
         buffer.append(data)
         size += len(data)
         appends += 1
@@ -204,8 +204,9 @@ class SegmentWriter:
             pass  # tried again before the next write
 
     def repair(self, active: Segment) -> None:
-        """Reopens the active segment, verifies its records up to the published size, cuts off
-        whatever a failed write left after them, and makes that cut durable."""
+        """Reopens the active segment, re-verifies its last acknowledged record, cuts off whatever a
+        failed write left after it, writes again what was acknowledged but never synced (a failed
+        fsync may have dropped it from the page cache's dirty set for good), and syncs."""
         fs = self.fs
         if self._fd is not None:
             self._close_quietly(self._fd)
@@ -223,16 +224,27 @@ class SegmentWriter:
             files.fsync_dir(fs, self.directory)
         fd = fs.open(active.path, os.O_RDWR)
         try:
-            data = files.read_all(fs, fd)
-            _records, valid, reason = fmt.scan(data[: active.size], keep_payload=False)
-            if valid < active.size:
+            size = fs.fsize(fd)
+            check_from = active.last_record_at or 0
+            tail = fs.pread(fd, active.size - check_from, check_from) if size >= active.size else b""
+            _records, valid, reason = fmt.scan(tail, keep_payload=False)
+            if size < active.size or valid < len(tail):
                 self.read_only = (
                     f"{active.path.name} no longer holds the records already acknowledged "
-                    f"({reason}); restart the server to recover the stream from what is on disk"
+                    f"({reason or 'the file is shorter'}); restart the server to recover the stream "
+                    "from what is on disk"
                 )
                 raise ReadOnly(self.read_only)
-            if len(data) > active.size:
+            if size > active.size:
                 fs.ftruncate(fd, active.size)
+            unsynced_from = min(self.synced_size if self.synced_size is not None else 0, active.size)
+            if unsynced_from < active.size:
+                data = tail[unsynced_from - check_from :] if unsynced_from >= check_from else b""
+                if unsynced_from < check_from:
+                    data = fs.pread(fd, active.size - unsynced_from, unsynced_from)
+                if len(data) != active.size - unsynced_from:
+                    raise OSError(errno.EIO, f"{active.path.name}: short read of what is to be written again")
+                files.pwrite_all(fs, fd, data, unsynced_from)
             fs.fdatasync(fd)
         except BaseException:
             self._close_quietly(fd)
@@ -244,13 +256,14 @@ class SegmentWriter:
     # ---- syncing (--fsync interval) -----------------------------------------------------
 
     def sync(self, active: Segment) -> None:
-        """Makes the active segment durable. If the last sync failed, the unsynced range is first
-        written again through a fresh descriptor (the failed one may have lost it for good)."""
+        """Makes the active segment durable. After a failed sync, `repair` first writes the
+        unsynced range again through a fresh descriptor."""
         fs = self.fs
         if self.read_only is not None:
             return
         if self.needs_repair:
-            self._rewrite_unsynced(active)
+            self.repair(active)
+            return
         fd = self._active_fd(active)
         try:
             fs.fdatasync(fd)
@@ -260,23 +273,6 @@ class SegmentWriter:
             self.needs_repair = True
             raise
         self.synced_size = active.size
-
-    def _rewrite_unsynced(self, active: Segment) -> None:
-        fs = self.fs
-        start = self.synced_size or 0
-        fd = fs.open(active.path, os.O_RDWR)
-        try:
-            data = fs.pread(fd, active.size - start, start)
-            if len(data) != active.size - start:
-                raise OSError(errno.EIO, f"{active.path.name} is shorter than what was written")
-            files.pwrite_all(fs, fd, data, start)
-        except BaseException:
-            self._close_quietly(fd)
-            raise
-        if self._fd is not None:
-            self._close_quietly(self._fd)
-        self._fd = fd
-        self.needs_repair = False
 
     # ---- sealing an idle segment (--segment-max-age) -----------------------------------
 
