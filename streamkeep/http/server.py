@@ -129,8 +129,20 @@ def tls_context(settings: SimpleNamespace) -> ssl.SSLContext | None:
 
 
 async def serve(settings: SimpleNamespace) -> None:
+    opened: list[DiskStorage] = []
+    try:
+        await _serve(settings, opened)
+    finally:
+        for storage in opened:  # after every task ended: sync what fsync=interval/never left, close
+            with trio.CancelScope(shield=True):
+                await storage.stop()
+
+
+async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
     async with trio.open_nursery() as nursery:
         storage, archiver = await open_storage(settings, nursery)
+        if isinstance(storage, DiskStorage):
+            opened.append(storage)
         service = build_service(settings, nursery, storage)
         service.nursery = nursery
         if isinstance(storage, DiskStorage):
