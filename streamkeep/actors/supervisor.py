@@ -67,7 +67,10 @@ class Supervisor:
                 await trio.sleep(self.hibernate_after / 4)
                 idle_since = trio.current_time() - self.hibernate_after
                 for actor in list(self._actors.values()):
-                    actor.hibernate_if_idle(idle_since)
+                    try:
+                        actor.hibernate_if_idle(idle_since)
+                    except Exception:  # a bug must cost one actor its nap, not the server its life
+                        log.exception("stream %r: hibernation check failed", actor.name)
         finally:
             self._sweeping = False
 
