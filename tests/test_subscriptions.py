@@ -5,21 +5,24 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import random
+import re
 import signal
-import threading
+import subprocess
+import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ops.serverproc import ServerProcess, start
+from ops.serverproc import ROOT, ServerProcess, start
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.subscriptions.config import SubscriptionConfig, glob_match
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.subscriptions.urls import check_webhook_url
+from tests.webhooks import Receiver
 
 JSON = {"Content-Type": "application/json"}
 
@@ -41,6 +44,82 @@ JSON = {"Content-Type": "application/json"}
 )
 def test_glob(pattern: str, path: str, expected: bool) -> None:
     assert glob_match(pattern, path) is expected
+
+
+def _reference_match(pattern: list[str], path: list[str]) -> bool:
+    """The matcher before issue 11, kept as the definition of the semantics (exponential in `**`)."""
+    if not pattern:
+        return not path
+    head = pattern[0]
+    if head == "**":
+        return any(_reference_match(pattern[1:], path[i:]) for i in range(len(path) + 1))
+    if not path:
+        return False
+    if head == "*" or head == path[0]:
+        return _reference_match(pattern[1:], path[1:])
+    if "*" in head:
+        regex = "[^/]*".join(re.escape(part) for part in head.split("*"))
+        return re.fullmatch(regex, path[0]) is not None and _reference_match(pattern[1:], path[1:])
+    return False
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_glob_agrees_with_the_reference_on_random_cases(seed: int) -> None:
+    rng = random.Random(seed)
+    pattern_parts = ["a", "b", "ab", "*", "**", "a*", "*b", "a**b", "*a*"]
+    path_parts = ["a", "b", "ab", "ba", "aab", "x"]
+    for _ in range(2000):
+        pattern = [rng.choice(pattern_parts) for _ in range(rng.randint(1, 6))]
+        path = [rng.choice(path_parts) for _ in range(rng.randint(1, 6))]
+        expected = _reference_match(pattern, path)
+        assert glob_match("/".join(pattern), "/".join(path)) is expected, (pattern, path)
+
+
+HOSTILE = """
+import time
+from streamkeep.subscriptions.config import glob_match
+began = time.perf_counter()
+results = [
+    glob_match("**/" * 200 + "x", "/".join(["a"] * 100)),
+    glob_match("**/a/" * 150 + "x", "/".join(["a"] * 300)),
+    glob_match("**/*a*/" * 120 + "b", "/".join(["aaa"] * 400)),
+    glob_match("x/" + "*a" * 120 + "*b", "x/" + "a" * 250),  # stars within one segment
+]
+print(results, time.perf_counter() - began)
+"""
+
+
+def test_glob_with_many_double_stars_stays_fast() -> None:
+    # In a child process, so an exponential matcher is killed instead of hanging the tests.
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", HOSTILE], capture_output=True, text=True, timeout=10, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("matching hostile globs did not finish in 10 s")
+    assert done.returncode == 0, done.stderr
+    results, seconds = done.stdout.rsplit(" ", 1)
+    assert results == "[False, False, False, False]"
+    assert float(seconds) < 2.0, seconds  # generous: linear matching takes milliseconds
+
+
+def test_hostile_glob_does_not_stall_publishing() -> None:
+    server = start("--storage", "memory")
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            body = {"type": "pull-wake", "pattern": "**/" * 300 + "x", "wake_stream": "w"}
+            assert client.put("/v1/stream/__ds/subscriptions/hostile", json=body).status_code == 201
+            deep = "/".join(["a"] * 200)
+            began = time.monotonic()
+            created = client.put(f"/v1/stream/{deep}", content=b"x", headers={"Content-Type": "text/plain"})
+            for _ in range(20):
+                client.post(f"/v1/stream/{deep}", content=b"x", headers={"Content-Type": "text/plain"})
+            assert created.status_code == 201 and time.monotonic() - began < 5
+            assert client.get("/healthz").status_code == 200
+    except httpx.TimeoutException:
+        pytest.fail("the server stalled matching a hostile glob")
+    finally:
+        server.stop(signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
@@ -112,48 +191,7 @@ def test_keys_sign_verifiably_and_persist(tmp_path: Path) -> None:
     assert keys.check_token(keys.token("sub", 3, "w_1", "callback", -5), "sub", "callback") is None
 
 
-# ---- a scriptable webhook receiver ----------------------------------------------------------
-
-
-class Receiver:
-    """Answers each POST with the next scripted (status, body, delay), recording what came."""
-
-    def __init__(self, script: list[tuple[int, dict, float]]) -> None:
-        self.script = script
-        self.requests: list[tuple[float, dict]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.requests.append((time.monotonic(), json.loads(body)))
-                status, answer, delay = receiver.script.pop(0) if receiver.script else (200, {}, 0.0)
-                time.sleep(delay)
-                data = json.dumps(answer).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:
-                    pass
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait(self, count: int, timeout: float = 15) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.requests) < count:
-            assert time.monotonic() < deadline, f"only {len(self.requests)} of {count} webhook calls arrived"
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.server.shutdown()
+# ---- a server and its webhook receivers ---------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,20 @@
-"""A subscription's configuration: validation, normalization, the idempotency hash, globs."""
+"""A subscription's configuration: validation, normalization, the idempotency hash, which paths
+its pattern links."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 from streamkeep.protocol.errors import ProtocolError, bad_request
-from streamkeep.protocol.names import check_stream_name
+from streamkeep.protocol.names import RESERVED_SEGMENT, STREAM_PREFIX, check_stream_name
+from streamkeep.subscriptions.globs import Glob, compile_glob, glob_match
 
+CONTROL_PREFIX = f"{STREAM_PREFIX}{RESERVED_SEGMENT}/"  # where the control API lives (§6)
 DEFAULT_LEASE_MS = 30_000
 MIN_LEASE_MS = 1_000
 MAX_LEASE_MS = 600_000
@@ -59,6 +64,7 @@ class SubscriptionConfig:
             if not isinstance(wake_stream, str):
                 raise bad_request("INVALID_SUBSCRIPTION", "a pull-wake subscription needs wake_stream")
             _check_path(wake_stream)
+            refuse_wake_stream(wake_stream, streams)
         lease = raw.get("lease_ttl_ms", DEFAULT_LEASE_MS)
         if isinstance(lease, bool) or not isinstance(lease, int) or not MIN_LEASE_MS <= lease <= MAX_LEASE_MS:
             raise bad_request(
@@ -100,8 +106,14 @@ class SubscriptionConfig:
         canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
+    @cached_property
+    def _glob(self) -> Glob | None:
+        return None if self.pattern is None else compile_glob(self.pattern)
+
     def matches(self, path: str) -> bool:
-        return self.pattern is not None and glob_match(self.pattern, path)
+        """Whether the pattern links `path`. Never the subscription's own wake stream: each wake
+        event appended to it would be pending work, which wakes again, forever."""
+        return self._glob is not None and path != self.wake_stream and self._glob.match(path)
 
 
 def normalize_streams(value: object) -> tuple[str, ...]:
@@ -112,6 +124,15 @@ def normalize_streams(value: object) -> tuple[str, ...]:
     return tuple(sorted(set(value)))
 
 
+def refuse_wake_stream(wake_stream: str | None, streams: Iterable[str]) -> None:
+    if wake_stream is not None and wake_stream in streams:
+        raise bad_request(
+            "INVALID_SUBSCRIPTION",
+            f"wake_stream {wake_stream[:100]!r} cannot also be one of the subscription's streams: "
+            "each wake event appended to it would wake the subscription again",
+        )
+
+
 def _check_path(path: str) -> None:
     try:
         check_stream_name(path)
@@ -119,24 +140,11 @@ def _check_path(path: str) -> None:
         raise bad_request("INVALID_STREAM_PATH", f"{path[:100]!r}: {error.message}") from None
 
 
-def glob_match(pattern: str, path: str) -> bool:
-    """`*` matches one path segment, `**` zero or more segments (§6.2)."""
-    return _match(pattern.split("/"), path.split("/"))
-
-
-def _match(pattern: list[str], path: list[str]) -> bool:
-    if not pattern:
-        return not path
-    head = pattern[0]
-    if head == "**":
-        return any(_match(pattern[1:], path[i:]) for i in range(len(path) + 1))
-    if not path:
-        return False
-    if head == "*" or head == path[0] or ("*" in head and _segment(head, path[0])):
-        return _match(pattern[1:], path[1:])
-    return False
-
-
-def _segment(pattern: str, segment: str) -> bool:
-    regex = "[^/]*".join(re.escape(part) for part in pattern.split("*"))
-    return re.fullmatch(regex, segment) is not None
+__all__ = [
+    "CONTROL_PREFIX",
+    "SubscriptionConfig",
+    "check_id",
+    "glob_match",
+    "normalize_streams",
+    "refuse_wake_stream",
+]

@@ -6,14 +6,20 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from streamkeep.storage import files
+
+log = logging.getLogger("streamkeep.subscriptions")
+T = TypeVar("T")
 
 
 def b64url(data: bytes) -> str:
@@ -24,6 +30,15 @@ def _unb64url(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+KEY_FILE = "webhook-ed25519.pem"
+SECRET_FILE = "token-secret"
+SECRET_BYTES = 32
+
+
+class KeyFileError(Exception):
+    """A key file exists but cannot be used; the server must not guess what it was."""
+
+
 class Keys:
     """The server's webhook signing key and token secret; persisted in `directory` when given, so
     `kid`s stay stable and tokens stay valid across restarts."""
@@ -31,23 +46,11 @@ class Keys:
     def __init__(self, directory: Path | None) -> None:
         if directory is None:
             self._private = Ed25519PrivateKey.generate()
-            self._secret = secrets.token_bytes(32)
+            self._secret = secrets.token_bytes(SECRET_BYTES)
         else:
-            directory.mkdir(parents=True, exist_ok=True)
-            key_file, secret_file = directory / "webhook-ed25519.pem", directory / "token-secret"
-            if not key_file.exists():
-                pem = Ed25519PrivateKey.generate().private_bytes(
-                    serialization.Encoding.PEM,
-                    serialization.PrivateFormat.PKCS8,
-                    serialization.NoEncryption(),
-                )
-                files.write_new(files.OS, key_file, pem, mode=0o600)
-            if not secret_file.exists():
-                files.write_new(files.OS, secret_file, secrets.token_bytes(32), mode=0o600)
-            loaded = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
-            assert isinstance(loaded, Ed25519PrivateKey)
-            self._private = loaded
-            self._secret = secret_file.read_bytes()
+            files.makedirs(files.OS, directory)
+            self._private = _load_or_create(directory, KEY_FILE, _new_key_pem, _parse_key)
+            self._secret = _load_or_create(directory, SECRET_FILE, _new_secret, _parse_secret)
         raw = self._private.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
@@ -95,3 +98,53 @@ class Keys:
         if not isinstance(claims.get("e"), int) or claims["e"] < time.time():
             return None
         return claims
+
+
+def _load_or_create(
+    directory: Path, name: str, create: Callable[[], bytes], parse: Callable[[bytes], T]
+) -> T:
+    """The key in `directory/name`, created crash-safely (temp file, fsync, rename, fsync the
+    directory) if missing. An empty file is what a crash during an older, unsafe first start
+    left: nothing was ever signed with it, so it is made anew. Anything else that does not parse
+    may have signed tokens or webhooks: that is for a person to decide, not the server."""
+    path = directory / name
+    data = files.read_file(files.OS, path) if files.OS.exists(path) else None
+    if data == b"":
+        log.warning("%s is empty (left by a crash while it was created); creating a new one", path)
+        data = None
+    if data is None:
+        data = create()
+        files.replace(files.OS, directory, name, data, mode=0o600)
+    try:
+        return parse(data)
+    except ValueError as error:
+        raise KeyFileError(
+            f"{path} is damaged ({error}). If it never signed anything in use, move it away and "
+            "start again to create a new one; else restore it from a backup"
+        ) from None
+
+
+def _new_key_pem() -> bytes:
+    return Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _parse_key(data: bytes) -> Ed25519PrivateKey:
+    try:
+        loaded = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"not a PEM private key: {error}") from None
+    if not isinstance(loaded, Ed25519PrivateKey):
+        raise ValueError(f"not an Ed25519 key but {type(loaded).__name__}")
+    return loaded
+
+
+def _new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def _parse_secret(data: bytes) -> bytes:
+    if len(data) != SECRET_BYTES:
+        raise ValueError(f"{len(data)} bytes where a token secret has {SECRET_BYTES}")
+    return data

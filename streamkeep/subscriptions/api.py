@@ -1,0 +1,356 @@
+"""The control API under `/v1/stream/__ds/` (§6-7): create, read and delete subscriptions, their
+explicit streams, the JWKS, and the fenced wake endpoints (callback, claim, ack, release).
+
+Every change happens under the subscription's lock inside `store.change`: it is saved before the
+answer, and a change that cannot be saved is undone and answered like any storage trouble
+(507 `storage_full`, 503 `storage_unavailable`, with Retry-After).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+from urllib.parse import unquote
+
+import trio
+
+from streamkeep.protocol import offsets
+from streamkeep.protocol.errors import ProtocolError, bad_request
+from streamkeep.protocol.model import Request, Response
+from streamkeep.subscriptions.config import (
+    CONTROL_PREFIX,
+    SubscriptionConfig,
+    check_id,
+    normalize_streams,
+    refuse_wake_stream,
+)
+from streamkeep.subscriptions.delivery import Delivery, token_ttl
+from streamkeep.subscriptions.faults import Faults
+from streamkeep.subscriptions.links import Links
+from streamkeep.subscriptions.signing import Keys
+from streamkeep.subscriptions.state import Subscription, Wake
+from streamkeep.subscriptions.store import Store
+from streamkeep.subscriptions.urls import check_webhook_url
+
+
+def _error(error: ProtocolError, **extra: object) -> Response:
+    body = {"error": {"code": error.code, "message": error.message, **extra}}
+    return Response(
+        error.status, [("Content-Type", "application/json"), *error.headers], json.dumps(body).encode()
+    )
+
+
+def _json(status: int, body: object) -> Response:
+    return Response(
+        status,
+        [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
+        json.dumps(body).encode(),
+    )
+
+
+def _fenced() -> ProtocolError:
+    return ProtocolError(409, "FENCED", "this wake is over: its generation or wake id is stale")
+
+
+def _not_found(sub_id: str) -> ProtocolError:
+    return ProtocolError(404, "SUBSCRIPTION_NOT_FOUND", f"no subscription {sub_id!r}")
+
+
+class ControlApi:
+    def __init__(
+        self,
+        subs: dict[str, Subscription],
+        links: Links,
+        store: Store,
+        keys: Keys,
+        delivery: Delivery,
+        faults: Faults,
+        *,
+        allow_loopback: bool,
+        now: Callable[[], float],
+    ) -> None:
+        self.subs = subs
+        self.links = links
+        self.store = store
+        self.keys = keys
+        self.delivery = delivery
+        self.faults = faults
+        self.allow_loopback = allow_loopback
+        self.now = now
+        self._creating = trio.Lock()  # one creation at a time: two PUTs of one id cannot both win
+
+    async def handle(self, request: Request) -> Response:
+        rest = request.raw_path[len(CONTROL_PREFIX) :]
+        try:
+            if rest == "jwks.json" and request.method == "GET":
+                body = json.dumps(self.keys.jwks()).encode()
+                return Response(
+                    200,
+                    [("Content-Type", "application/jwk-set+json"), ("Cache-Control", "public, max-age=300")],
+                    body,
+                )
+            parts = rest.split("/", 2)
+            if parts[0] != "subscriptions" or len(parts) < 2:
+                raise ProtocolError(404, "NOT_FOUND", "no such control endpoint under __ds/")
+            sub_id = unquote(parts[1])
+            check_id(sub_id)
+            action = parts[2] if len(parts) > 2 else ""
+            return await self._dispatch(request, sub_id, action)
+        except ProtocolError as error:
+            return _error(error)
+
+    async def _dispatch(self, request: Request, sub_id: str, action: str) -> Response:
+        method = request.method
+        if action == "":
+            if method == "PUT":
+                return await self._put(request, sub_id)
+            if method == "GET":
+                return await self._read(self._get(sub_id))
+            if method == "DELETE":
+                return await self._delete(self._get(sub_id))
+        elif action == "streams" and method == "POST":
+            return await self._add_streams(request, self._get(sub_id))
+        elif action.startswith("streams/") and method == "DELETE":
+            return await self._remove_stream(self._get(sub_id), unquote(action[len("streams/") :]))
+        elif action in ("callback", "ack", "release", "claim") and method == "POST":
+            return await getattr(self, f"_{action}")(request, self._get(sub_id))
+        raise ProtocolError(405, "METHOD_NOT_ALLOWED", f"{method} is not supported on this control path")
+
+    def _get(self, sub_id: str) -> Subscription:
+        sub = self.subs.get(sub_id)
+        if sub is None or sub.deleted:
+            raise _not_found(sub_id)
+        return sub
+
+    def _view(self, sub: Subscription) -> dict:
+        config = sub.config
+        webhook = None
+        if config.type == "webhook":
+            webhook = {
+                "url": config.webhook_url,
+                "signing": {
+                    "alg": "ed25519",
+                    "kid": self.keys.kid,
+                    "jwks_url": f"{sub.base_url}{CONTROL_PREFIX}jwks.json",
+                },
+            }
+        return {
+            "id": sub.id,
+            "subscription_id": sub.id,
+            "type": config.type,
+            "pattern": config.pattern,
+            "streams": self.links.view(sub),
+            "webhook": webhook,
+            "wake_stream": config.wake_stream,
+            "lease_ttl_ms": config.lease_ttl_ms,
+            "created_at": sub.created_at,
+            "status": sub.status,
+            "description": config.description,
+        }
+
+    # ---- subscriptions -----------------------------------------------------------------------
+
+    async def _put(self, request: Request, sub_id: str) -> Response:
+        config = SubscriptionConfig.parse(request.body)
+        if config.webhook_url is not None:
+            check_webhook_url(config.webhook_url, allow_loopback=self.allow_loopback)
+        async with self._creating:
+            existing = self.subs.get(sub_id)
+            if existing is not None and not existing.deleted:
+                if existing.config.hash != config.hash:
+                    raise ProtocolError(
+                        409,
+                        "SUBSCRIPTION_EXISTS",
+                        f"subscription {sub_id!r} exists with another configuration",
+                    )
+                return await self._read(existing)
+            host = request.headers.get("host") or "localhost"
+            created = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            sub = Subscription(sub_id, config, created, f"{request.scheme}://{host}")
+            self.links.backfill(sub)
+            await self.store.save(sub)  # saved first: a refused save leaves no trace in memory
+            self.subs[sub_id] = sub
+            self.delivery.start(sub)
+        return _json(201, self._view(sub))
+
+    async def _read(self, sub: Subscription) -> Response:
+        async with sub.lock:
+            if sub.deleted:
+                raise _not_found(sub.id)
+            self.links.absorb(sub)  # deleted streams are not shown, new ones are
+            return _json(200, self._view(sub))
+
+    async def _delete(self, sub: Subscription) -> Response:
+        async with sub.lock:
+            if not sub.deleted:
+                await self.store.forget(sub)
+                sub.deleted = True  # a tombstone: in-flight callbacks, acks and releases now fail
+                sub.wake = None
+                if self.subs.get(sub.id) is sub:
+                    del self.subs[sub.id]
+                self.faults.forget(sub)
+        sub.poke()
+        return Response(204)
+
+    async def _add_streams(self, request: Request, sub: Subscription) -> Response:
+        try:
+            raw = json.loads(request.body or b"null")
+        except (ValueError, RecursionError):
+            raise bad_request("INVALID_JSON", 'the body must be {"streams": [...]}') from None
+        paths = normalize_streams(raw.get("streams") if isinstance(raw, dict) else None)
+        refuse_wake_stream(sub.config.wake_stream, paths)
+        async with sub.lock:
+            if sub.deleted:
+                raise _not_found(sub.id)
+            self.links.absorb(sub)
+            async with self.store.change(sub):
+                for path in paths:
+                    self.links.add_explicit(sub, path)
+        sub.poke()
+        return Response(204)
+
+    async def _remove_stream(self, sub: Subscription, path: str) -> Response:
+        async with sub.lock:
+            if sub.deleted:
+                raise _not_found(sub.id)
+            self.links.absorb(sub)
+            async with self.store.change(sub):
+                self.links.remove_explicit(sub, path)
+        return Response(204)
+
+    # ---- wakes -------------------------------------------------------------------------------
+
+    def _authorized(self, request: Request, sub: Subscription, kind: str) -> dict:
+        header = request.headers.get("authorization") or ""
+        scheme, _, token = header.partition(" ")
+        claims = self.keys.check_token(token.strip(), sub.id, kind) if scheme.lower() == "bearer" else None
+        if claims is None:
+            raise ProtocolError(
+                401, "UNAUTHORIZED", f"a valid {kind} token is required (Authorization: Bearer ...)"
+            )
+        return claims
+
+    @staticmethod
+    def _wake_body(request: Request) -> dict:
+        try:
+            body = json.loads(request.body or b"null")
+        except (ValueError, RecursionError):
+            raise bad_request("INVALID_JSON", "the body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise bad_request("INVALID_JSON", "the body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _check_current(sub: Subscription, claims: dict, body: dict) -> Wake:
+        wake = sub.wake
+        if (
+            wake is None
+            or claims.get("g") != wake.generation
+            or claims.get("w") != wake.wake_id
+            or body.get("generation") != wake.generation
+            or body.get("wake_id") != wake.wake_id
+        ):
+            raise _fenced()
+        return wake
+
+    @staticmethod
+    def _parse_acks(body: dict) -> list[tuple[str, offsets.Offset]]:
+        acks = body.get("acks", [])
+        if not isinstance(acks, list):
+            raise bad_request("INVALID_ACKS", "acks must be a list of {stream, offset}")
+        out = []
+        for ack in acks:
+            if (
+                not isinstance(ack, dict)
+                or not isinstance(ack.get("stream"), str)
+                or not isinstance(ack.get("offset"), str)
+            ):
+                raise bad_request("INVALID_ACKS", 'each ack is {"stream": path, "offset": offset}')
+            out.append((ack["stream"], offsets.decode(ack["offset"])))
+        return out
+
+    async def _finish(self, request: Request, sub: Subscription, kind: str) -> Response:
+        """Callback (webhook) and ack (pull-wake): apply acks; `done` ends the wake, else the
+        call is a heartbeat that extends the lease."""
+        body = self._wake_body(request)
+        async with sub.lock:
+            if sub.deleted:
+                raise _fenced()
+            claims = self._authorized(request, sub, kind)
+            wake = self._check_current(sub, claims, body)
+            acks = self._parse_acks(body)
+            self.links.absorb(sub)
+            next_wake = False
+            async with self.store.change(sub):
+                self.links.apply_acks(sub, acks, wake)
+                if body.get("done") is True:
+                    sub.wake = None
+                    next_wake = bool(self.links.pending(sub))
+                else:
+                    wake.lease_until = self.now() + sub.config.lease_ttl_ms / 1000
+        sub.poke()
+        return _json(200, {"ok": True, "next_wake": next_wake})
+
+    async def _callback(self, request: Request, sub: Subscription) -> Response:
+        return await self._finish(request, sub, "callback")
+
+    async def _ack(self, request: Request, sub: Subscription) -> Response:
+        return await self._finish(request, sub, "claim")
+
+    async def _release(self, request: Request, sub: Subscription) -> Response:
+        body = self._wake_body(request)
+        async with sub.lock:
+            if sub.deleted:
+                raise _fenced()
+            claims = self._authorized(request, sub, "claim")
+            self._check_current(sub, claims, body)
+            async with self.store.change(sub, links=False):
+                sub.wake = None
+        sub.poke()  # pending work gets a new wake event
+        return Response(204)
+
+    async def _claim(self, request: Request, sub: Subscription) -> Response:
+        if sub.config.type != "pull-wake":
+            raise bad_request("NOT_PULL_WAKE", "only pull-wake subscriptions are claimed")
+        body = self._wake_body(request)
+        worker = body.get("worker")
+        if not isinstance(worker, str) or not worker:
+            raise bad_request("INVALID_WORKER", 'claim needs {"worker": name}')
+        async with sub.lock:
+            if sub.deleted:
+                raise _not_found(sub.id)
+            self.links.absorb(sub)
+            now = self.now()
+            wake = sub.wake
+            if (
+                wake is not None
+                and wake.holder is not None
+                and wake.lease_until is not None
+                and now < wake.lease_until
+            ):
+                return _error(
+                    ProtocolError(409, "ALREADY_CLAIMED", "another worker holds the lease"),
+                    current_holder=wake.holder,
+                    generation=wake.generation,
+                )
+            async with self.store.change(sub, links=False):
+                if wake is None or wake.holder is not None:  # none issued yet, or an expired claim
+                    if not self.links.pending(sub):
+                        raise ProtocolError(
+                            409, "NO_PENDING_WORK", "nothing to claim: every linked stream is acked"
+                        )
+                    wake = sub.issue(self.links.snapshot(sub), now)
+                wake.holder = worker
+                wake.lease_until = now + sub.config.lease_ttl_ms / 1000
+            token = self.keys.token(sub.id, wake.generation, wake.wake_id, "claim", token_ttl(sub))
+            return _json(
+                200,
+                {
+                    "wake_id": wake.wake_id,
+                    "generation": wake.generation,
+                    "token": token,
+                    "streams": self.links.view(sub, wake),
+                    "lease_ttl_ms": sub.config.lease_ttl_ms,
+                },
+            )
