@@ -149,14 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     from streamkeep.http.server import run
     from streamkeep.storage.directory import FormatError
+    from streamkeep.subscriptions.signing import KeyFileError
 
     try:
         run(settings)
     except BaseException as raised:  # trio wraps what ends the run in exception groups
-        error = _first(raised, (FormatError, OSError))
+        error = _first(raised, (FormatError, KeyFileError, OSError))
         if error is None:
             raise
-        if isinstance(error, FormatError):
+        if isinstance(error, FormatError | KeyFileError):
             print(f"streamkeep: {error}", file=sys.stderr)
         else:
             print(

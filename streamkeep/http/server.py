@@ -159,6 +159,7 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             allow_loopback_webhooks=settings.server.allow_loopback_webhooks,
         )
         await nursery.start(service.subscriptions.run)
+        service.stats_sources["subscriptions"] = service.subscriptions.stats
         shutdown = trio.Event()
 
         async def watch_signals() -> None:

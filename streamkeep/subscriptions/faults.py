@@ -8,12 +8,12 @@ when it first appears, and once more when it is gone, not at every retry of ever
 
 from __future__ import annotations
 
-import errno
 import logging
 import random
 from datetime import UTC, datetime
 
 from streamkeep.protocol.errors import ProtocolError
+from streamkeep.storage.errors import as_protocol_error, from_os_error
 from streamkeep.subscriptions.state import Subscription
 
 log = logging.getLogger("streamkeep.subscriptions")
@@ -37,21 +37,9 @@ class SaveFailed(ProtocolError):
 
 
 def save_failed(error: OSError) -> SaveFailed:
-    """The answer for a failed save, as the server gives for any storage trouble."""
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return SaveFailed(
-            507,
-            "storage_full",
-            f"cannot save subscription state: the disk is full ({error.strerror or error}); "
-            "free space and retry",
-            [("Retry-After", "10")],
-        )
-    return SaveFailed(
-        503,
-        "storage_unavailable",
-        f"cannot save subscription state: {error.strerror or error}; retry shortly",
-        [("Retry-After", "1")],
-    )
+    """The answer for a failed save: the one the server gives for any storage trouble."""
+    answer = as_protocol_error(from_os_error(error, "cannot save subscription state"), "")
+    return SaveFailed(answer.status, answer.code, answer.message, answer.headers)
 
 
 def cause_of(where: str, error: BaseException) -> Cause:
