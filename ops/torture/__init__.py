@@ -1,0 +1,1 @@
+"""Deterministic, seeded simulation of streamkeep: a simulated file system, threads and S3."""
