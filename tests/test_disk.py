@@ -260,3 +260,21 @@ async def test_disk_full_answers_507_json_and_reads_go_on(tmp_path: Path) -> Non
         assert (await service.handle(request("POST", b"later;"))).status == 204
         assert (await service.handle(request("GET", query="offset=-1"))).body == b"kept;later;"
         nursery.cancel_scope.cancel()
+
+
+def test_a_json_stream_closed_by_a_close_only_append_reads_as_json(tmp_path: Path) -> None:
+    """Found by the simulation: the close-only record was read back as an empty message, and the
+    JSON array came out as `[{...},]`."""
+    server = disk_server(tmp_path)
+    url = f"{server.url}/v1/stream/j"
+    json_ct = {"Content-Type": "application/json"}
+    try:
+        httpx.put(url, headers=json_ct, content=b'{"a":1}')
+        assert httpx.post(url, headers={"Stream-Closed": "true"}).status_code == 204
+        read = httpx.get(url, params={"offset": "-1"})
+        assert read.json() == [{"a": 1}] and read.headers["stream-closed"] == "true"
+        with httpx.stream("GET", url, params={"offset": "-1", "live": "sse"}) as sse:
+            text = sse.read().decode()
+        assert 'data:[{"a":1}]' in text and ",]" not in text
+    finally:
+        server.stop()

@@ -382,7 +382,8 @@ class DiskLog:
         if whole_messages:
             for entry, payload in zip(entries[first:last], payloads, strict=True):
                 at, cut = entry.start, 0
-                for length in entry.messages or [len(payload)]:
+                # A close-only append holds no message (a JSON value is never empty).
+                for length in entry.messages or ([len(payload)] if payload else []):
                     if at >= start:
                         messages.append(payload[cut : cut + length])
                     at += length
