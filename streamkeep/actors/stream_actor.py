@@ -24,7 +24,7 @@ from streamkeep.protocol.headers import media_type
 from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSpec, StreamMeta
 from streamkeep.storage import forks
 from streamkeep.storage.base import AppendRecord, Commit, StreamLog
-from streamkeep.storage.errors import STORAGE_ERRORS, as_protocol_error
+from streamkeep.storage.errors import STORAGE_ERRORS, StorageUnavailable, as_protocol_error
 
 if TYPE_CHECKING:
     from streamkeep.actors.supervisor import Supervisor
@@ -171,15 +171,24 @@ class StreamActor:
             stream_log.meta.soft_deleted = True
             try:
                 await self._storage.save_meta(self.name, stream_log.meta)
-            except BaseException:
-                stream_log.meta.soft_deleted = False
+            except BaseException as error:
+                if not getattr(error, "happened", False):  # else it is soft-deleted, if not durably
+                    stream_log.meta.soft_deleted = False
+                    raise
+                self._notify()
                 raise
             self._notify()
             return
         await self._hard_delete(stream_log)
 
     async def _hard_delete(self, stream_log: StreamLog) -> None:
-        await self._storage.delete(self.name)
+        uncertain = None
+        try:
+            await self._storage.delete(self.name)
+        except StorageUnavailable as error:
+            if not error.happened:
+                raise
+            uncertain = error  # it is deleted, if not durably: the rest of a delete still follows
         stream_log.on_publish = None
         self._notify()
         source = stream_log.meta.forked_from
@@ -190,6 +199,8 @@ class StreamActor:
                     await self._supervisor.call(source, "detach_fork")
                 except ProtocolError:
                     log.warning("fork %r: its source %r was already gone", self.name, source)
+        if uncertain is not None:
+            raise uncertain
 
     # ---- handlers: each runs inside the actor's task ----------------------------------
 
@@ -215,11 +226,16 @@ class StreamActor:
                     "the stream exists with another content type, TTL, expiry, closed state or fork source",
                 )
             return 200, self._view(existing)
-        if spec.fork is None:
-            meta = spec.new_meta(self.name, uuid.uuid4().hex[:12], now)
-            created = await self._create(meta, spec.messages)
-        else:
-            created = await self._create_fork(spec, now)
+        try:
+            if spec.fork is None:
+                meta = spec.new_meta(self.name, uuid.uuid4().hex[:12], now)
+                created = await self._create(meta, spec.messages)
+            else:
+                created = await self._create_fork(spec, now)
+        except StorageUnavailable as error:
+            if error.happened:  # created, if not durably: listeners hear of it all the same
+                self._notify()
+            raise
         created.on_publish = self._notify
         self._notify()
         return 201, self._view(created)
@@ -257,7 +273,9 @@ class StreamActor:
                 fork_sub_offset=fork.sub_offset,
             )
             return await self._create(meta, spec.split(source.content_type))
-        except BaseException:
+        except BaseException as error:
+            if getattr(error, "happened", False):
+                raise  # the fork exists (if not durably): its source keeps counting it
             with trio.CancelScope(shield=True):
                 try:
                     await self._supervisor.call(fork.source, "detach_fork")
@@ -317,6 +335,10 @@ class StreamActor:
                         "Stream-Fork-Sub-Offset passes the end of the append at Stream-Fork-Offset",
                     )
                 base = position + fork.sub_offset
+        # The fork will read the source up to its fork point for as long as it lives: under a
+        # relaxed fsync policy that point must be on disk first, or a power cut could take back
+        # what the fork reads (and leave the fork pointing past its source's end).
+        await stream_log.make_durable()
         meta.fork_count += 1
         return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base)
 

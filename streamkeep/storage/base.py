@@ -145,6 +145,11 @@ class StreamLog(Protocol):
         """Resolves when everything submitted so far is published (for duplicates to wait on)."""
         ...
 
+    async def make_durable(self) -> None:
+        """Makes everything published durable. Under a relaxed fsync policy published bytes may
+        not be yet; something that must outlive a power cut built on them (a fork point) asks."""
+        ...
+
 
 class Storage(Protocol):
     budget: ByteBudget

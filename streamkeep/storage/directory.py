@@ -30,6 +30,7 @@ from streamkeep.storage.files import FileSystem
 log = logging.getLogger(__name__)
 
 OBJECTS_SUFFIX = ".objects"
+RUNNING = "RUNNING"
 
 
 class FormatError(Exception):
@@ -83,6 +84,22 @@ class DataDirectory:
                 files.fsync_dir(fs, self.root)
         return version
 
+    # ---- clean and unclean stops -------------------------------------------------------
+
+    def mark_running(self) -> bool:
+        """Notes that a server runs on this directory; True if one was already noted, i.e. the
+        last one did not stop cleanly (it crashed, was killed, or the power went)."""
+        marker = self.root / RUNNING
+        unclean = self.fs.exists(marker)
+        if not unclean:
+            files.replace(self.fs, self.root, RUNNING, b"")
+        return unclean
+
+    def mark_stopped(self) -> None:
+        """After a clean stop synced everything: the next start needs no crash recovery."""
+        files.unlink_quietly(self.fs, self.root / RUNNING)
+        files.fsync_dir(self.fs, self.root)
+
     # ---- streams ----------------------------------------------------------------------
 
     def stream_dir(self, name: str) -> Path:
@@ -92,7 +109,8 @@ class DataDirectory:
         return sorted(self.fs.listdir(self.streams))
 
     def create_stream(self, directory: Path, contents: dict[str, bytes]) -> None:
-        """Builds the stream's directory in a staging directory and renames it into place."""
+        """Builds the stream's directory in a staging directory and renames it into place. An
+        OSError means it did not happen; NotDurable, that it did but may not survive a power cut."""
         fs = self.fs
         if fs.exists(directory):
             raise FileExistsError(f"{directory} exists but holds no loaded stream; see the startup log")
@@ -106,22 +124,41 @@ class DataDirectory:
         except BaseException:
             files.rmtree(fs, staging)
             raise
-        files.fsync_dir(fs, self.streams)
+        files.commit_dirs(fs, self.streams)
 
-    def delete_stream(self, directory: Path, object_keys: list[str]) -> Path | None:
-        """Moves the stream into trash/ and removes it. Returns the file that lists its objects
-        still to delete from the bucket, if it had any."""
+    def delete_stream(
+        self, directory: Path, object_keys: list[str]
+    ) -> tuple[Path | None, files.NotDurable | None]:
+        """Moves the stream into trash/ and removes it. An OSError means it is still there.
+
+        Returns the file that lists its objects still to delete from the bucket, and NotDurable
+        if the stream is gone but a power cut may bring it back. Objects are listed for deletion
+        only once the stream's removal is durable: deleting them earlier could leave a stream
+        that a power cut brought back without its cold segments. (Objects of a stream whose
+        removal was not durable are orphans at worst; `archive verify` finds them.)
+        """
         fs = self.fs
+        target = self.trash / uuid.uuid4().hex
+        fs.rename(directory, target)
+        try:
+            files.commit_dirs(fs, self.streams, self.trash)
+        except files.NotDurable as error:
+            files.rmtree(fs, target)
+            return None, error
         pending = None
         if object_keys:
             pending = self.trash / f"{uuid.uuid4().hex}{OBJECTS_SUFFIX}"
-            files.replace(fs, self.trash, pending.name, cbor2.dumps({"v": 1, "keys": object_keys}))
-        target = self.trash / uuid.uuid4().hex
-        fs.rename(directory, target)
-        files.fsync_dir(fs, self.streams)
-        files.fsync_dir(fs, self.trash)
+            try:
+                files.replace(fs, self.trash, pending.name, cbor2.dumps({"v": 1, "keys": object_keys}))
+            except files.NotDurable:
+                pass  # listed; if a power cut takes the list, `archive verify` finds the orphans
+            except OSError as error:
+                log.warning(
+                    "cannot list the objects of %s to delete (%s); deleting them now", directory.name, error
+                )
+                pending = None
         files.rmtree(fs, target)
-        return pending
+        return pending, None
 
     def finish_deletes(self) -> list[str]:
         """At start: removes what interrupted deletes and creates left behind. Returns what was

@@ -44,6 +44,7 @@ from streamkeep.storage.errors import (
     StreamDeleted,
     below_reserve,
     from_os_error,
+    not_durable,
 )
 from streamkeep.storage.files import FileSystem
 from streamkeep.storage.index import Entry, RecordIndex, Segment, TailCache
@@ -322,6 +323,13 @@ class DiskLog:
             self._storage.cold.sealed()
         return True
 
+    async def make_durable(self) -> None:
+        if self._storage.fsync != "always" and self.dirty:
+            try:
+                await self.sync()
+            except OSError as error:
+                raise from_os_error(error, f"sync of {self.meta.name!r}") from None
+
     async def sync(self) -> None:
         """Makes what this stream wrote durable (fsync=interval)."""
         async with self.exclusive():
@@ -517,21 +525,62 @@ class DiskStorage:
             )
         report = await self.run_io(self._recover_all)
         self.root_fd = await self.run_io(self.fs.open, self.root, os.O_RDONLY)
+        try:
+            unclean = await self.run_io(self.directory.mark_running)
+        except OSError as error:
+            log.warning(
+                "cannot note the start in %s (%s); treating the last stop as a crash", self.root, error
+            )
+            unclean = True
+        if unclean:
+            await self._after_a_crash()
         nursery.start_soon(supervised, "committer", self.committer.run, self.health)
         if self.fsync == "interval":
             nursery.start_soon(supervised, "interval sync", self._sync_loop, self.health)
         return report
 
+    async def _after_a_crash(self) -> None:
+        """The last server did not stop cleanly. What recovery read may be only in the page cache:
+        a reader must never be shown bytes a power cut could still take back, so it is synced
+        now. Under --fsync interval a sync that failed before the crash may have dropped
+        acknowledged bytes from the dirty set for good (a later fsync would report success
+        without writing them), so each stream's active segment is also written again, through
+        a fresh descriptor, at its first sync."""
+        try:
+            await self.run_io(self.fs.syncfs, self.root_fd)
+        except OSError as error:
+            self.health.failed("crash recovery sync", str(error))
+        if self.fsync == "interval":
+            for stream_log in self._logs.values():
+                stream_log.writer.needs_repair = True
+                stream_log.writer.synced_size = None
+                stream_log.dirty = True
+
     async def stop(self) -> None:
         """At shutdown, once nothing else runs: syncs what fsync=interval/never left unsynced (a
-        clean stop loses nothing to a later power cut), and closes every descriptor."""
+        clean stop loses nothing to a later power cut), closes every descriptor, and notes the
+        clean stop so the next start needs no crash recovery."""
+        clean = True
         for stream_log in list(self._logs.values()):
-            if self.fsync != "always" and stream_log.writer.open_fd() is not None:
+            if stream_log.writer.needs_repair and stream_log.writer.read_only is None:
+                try:  # a failed write not yet cut back: cut it now, not at the next start
+                    async with stream_log.exclusive():
+                        await self.run_io(stream_log.writer.repair, stream_log.active_segment)
+                except (OSError, ReadOnly) as error:
+                    clean = False
+                    log.error("shutdown: repairing %r failed: %s", stream_log.meta.name, error)
+            if self.fsync != "always" and (stream_log.writer.open_fd() is not None or stream_log.dirty):
                 try:
                     await stream_log.sync()
                 except OSError as error:
+                    clean = False
                     log.error("shutdown: syncing %r failed: %s", stream_log.meta.name, error)
         self.close()
+        if clean:
+            try:
+                await self.run_io(self.directory.mark_stopped)
+            except OSError as error:
+                log.error("shutdown: cannot note the clean stop: %s", error)
 
     def close(self) -> None:
         if self.root_fd >= 0:
@@ -577,8 +626,11 @@ class DiskStorage:
             segment_bytes += initial
         directory = self.directory.stream_dir(meta.name)
         contents = {layout.META: encode_meta(meta), layout.segment_filename(base): segment_bytes}
+        uncertain = None
         try:
             await self.run_io(self._create_files, directory, contents)
+        except files.NotDurable as error:  # it exists, but a power cut may take it back
+            uncertain = not_durable(f"create of {meta.name!r}", error)
         except (OSError, StorageUnavailable) as error:
             self.budget.release(added)
             if isinstance(error, StorageUnavailable):
@@ -594,6 +646,8 @@ class DiskStorage:
         stream_log.writer.synced_size = len(segment_bytes)
         stream_log.meta.last_access = meta.last_access
         self._logs[meta.name] = stream_log
+        if uncertain is not None:
+            raise uncertain
         return stream_log
 
     def _create_files(self, directory: Path, contents: dict[str, bytes]) -> None:
@@ -613,16 +667,20 @@ class DiskStorage:
                 return
             keys = [entry["key"] for entry in stream_log.cold_entries]
             try:
-                pending = await self.run_io(self._delete_files, stream_log, keys)
+                pending, uncertain = await self.run_io(self._delete_files, stream_log, keys)
             except OSError as error:
                 raise from_os_error(error, f"delete of {name!r}") from None
             stream_log.deleted = True
             del self._logs[name]
         self.budget.release(stream_log.tail - stream_log.meta.fork_base)
+        if uncertain is not None:  # its objects stay: a power cut may bring the stream back
+            raise not_durable(f"delete of {name!r}", uncertain)
         if keys and self.cold is not None:
             self.cold.forget(pending, keys)
 
-    def _delete_files(self, stream_log: DiskLog, keys: list[str]) -> Path | None:
+    def _delete_files(
+        self, stream_log: DiskLog, keys: list[str]
+    ) -> tuple[Path | None, files.NotDurable | None]:
         stream_log.writer.close()
         return self.directory.delete_stream(stream_log.directory, keys)
 
@@ -671,6 +729,7 @@ class DiskStorage:
         stream_log.adopt_durable_state(loaded.last_ms)
         if self.fsync == "always":  # what recovery read was synced before it was acknowledged
             stream_log.writer.synced_size = stream_log.active_segment.size
+        stream_log.writer.needs_repair = loaded.needs_repair
         self._logs[stream_log.meta.name] = stream_log
         self.budget.total_bytes += stream_log.tail - stream_log.meta.fork_base
         return stream_log
@@ -691,13 +750,29 @@ class DiskStorage:
                 )
                 report.skipped.append(f"{stream_log.meta.name}: source {source!r} missing")
                 continue
+            if parent.published_tail < stream_log.meta.fork_base:
+                log.error(
+                    "recovery: fork %r inherits up to position %d of %r, which ends at %d; reads of "
+                    "the missing range will fail",
+                    stream_log.meta.name,
+                    stream_log.meta.fork_base,
+                    source,
+                    parent.published_tail,
+                )
+                report.skipped.append(f"{stream_log.meta.name}: source {source!r} ends before the fork point")
             parent.meta.fork_count += 1
         removed = True
         while removed:
             removed = False
             for name, stream_log in list(self._logs.items()):
                 if stream_log.meta.soft_deleted and stream_log.meta.fork_count == 0:
-                    self._delete_files(stream_log, [entry["key"] for entry in stream_log.cold_entries])
+                    try:
+                        self._delete_files(stream_log, [entry["key"] for entry in stream_log.cold_entries])
+                    except (
+                        OSError
+                    ) as error:  # a full or failing disk: it stays soft-deleted until the next start
+                        log.warning("recovery: %s: cannot finish deleting it now: %s", name, error)
+                        continue
                     del self._logs[name]
                     self.budget.total_bytes -= stream_log.tail - stream_log.meta.fork_base
                     parent = self._logs.get(stream_log.meta.forked_from or "")

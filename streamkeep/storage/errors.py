@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 
 from streamkeep.protocol.errors import ProtocolError, not_found
+from streamkeep.storage.files import NotDurable
 
 RETRY_AFTER = [("Retry-After", "1")]
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -27,11 +28,16 @@ class StorageFull(Exception):
 
 class StorageUnavailable(Exception):
     """The write or read failed and nothing of it happened. `status` is 503 (retry shortly) or 507
-    (the disk is full: appends resume once space is freed)."""
+    (the disk is full: appends resume once space is freed).
 
-    def __init__(self, message: str, *, status: int) -> None:
+    With `happened`, the change was made but could not be made durable (a directory fsync kept
+    failing after a create or delete was renamed into place): the server goes on as if it was
+    done, and says so, since a power cut may still take it back."""
+
+    def __init__(self, message: str, *, status: int, happened: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.happened = happened
 
 
 class StreamDeleted(Exception):
@@ -42,7 +48,18 @@ def is_disk_full(error: OSError) -> bool:
     return error.errno in _FULL_ERRNOS
 
 
+def not_durable(what: str, error: OSError) -> StorageUnavailable:
+    return StorageUnavailable(
+        f"{what} was done, but could not be made durable ({error.strerror or error}): a power loss "
+        "may still undo it; check with HEAD before repeating it",
+        status=503,
+        happened=True,
+    )
+
+
 def from_os_error(error: OSError, what: str) -> StorageUnavailable:
+    if isinstance(error, NotDurable):
+        return not_durable(what, error)
     if is_disk_full(error):
         return StorageUnavailable(
             f"{what}: the disk is full; appends resume by themselves once space is freed "

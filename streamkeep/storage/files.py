@@ -179,6 +179,14 @@ def pread_exact(fs: FileSystem, path: PathLike, offset: int, length: int) -> byt
         fs.close(fd)
 
 
+class NotDurable(OSError):
+    """The change is made (the page cache shows it) but could not be made durable: it may or may
+    not survive a power cut. Callers must treat the change as done, not as failed."""
+
+
+DIR_SYNC_ATTEMPTS = 3
+
+
 def fsync_dir(fs: FileSystem, path: PathLike) -> None:
     """Makes a directory's entries (created, renamed, removed files) durable."""
     fd = fs.open(path, os.O_RDONLY)
@@ -186,6 +194,21 @@ def fsync_dir(fs: FileSystem, path: PathLike) -> None:
         fs.fsync(fd)
     finally:
         fs.close(fd)
+
+
+def commit_dirs(fs: FileSystem, *paths: PathLike) -> None:
+    """After a change that cannot be taken back (a rename into place): makes it durable in each
+    directory, trying each a few times, each through a fresh descriptor. A failed directory fsync
+    leaves the journal as it was (unlike a file's, whose dirty pages the kernel may drop), so a
+    retry is sound. Raises NotDurable if it cannot be done: the change stays made."""
+    for path in paths:
+        for attempt in range(DIR_SYNC_ATTEMPTS):
+            try:
+                fsync_dir(fs, path)
+                break
+            except OSError as error:
+                if attempt == DIR_SYNC_ATTEMPTS - 1:
+                    raise NotDurable(error.errno, f"{os.fspath(path)}: {error.strerror or error}") from error
 
 
 def _write_synced(fs: FileSystem, path: PathLike, data: bytes, flags: int, mode: int) -> None:
@@ -206,11 +229,12 @@ def write_new(fs: FileSystem, path: PathLike, data: bytes, mode: int = 0o644) ->
 
 def replace(fs: FileSystem, directory: PathLike, name: str, data: bytes, mode: int = 0o644) -> None:
     """Write, fsync, rename over, fsync the directory: after a crash the file is old or new, never
-    torn or empty."""
+    torn or empty. An OSError before the rename leaves the old file; NotDurable means the new one
+    is in place but a power cut may still bring the old one back."""
     staging = os.path.join(directory, f".{name}.tmp")
     _write_synced(fs, staging, data, os.O_TRUNC, mode)
     fs.rename(staging, os.path.join(directory, name))
-    fsync_dir(fs, directory)
+    commit_dirs(fs, directory)
 
 
 def unlink_quietly(fs: FileSystem, path: PathLike) -> None:

@@ -34,9 +34,15 @@ async def read_range(
     if meta.forked_from is not None and start < meta.fork_base:
         base = meta.fork_base
         cap = base if limit is None else min(limit, base)
-        head = await read_range(
-            storage, _source(storage, log), start, max_bytes, whole_messages=whole_messages, limit=cap
-        )
+        source = _source(storage, log)
+        head = await read_range(storage, source, start, max_bytes, whole_messages=whole_messages, limit=cap)
+        if not head.messages and head.next_position <= start:
+            # The source ends before the fork point: never answer "nothing here, but read on".
+            raise StorageUnavailable(
+                f"fork {meta.name!r} inherits up to position {base} of {source.meta.name!r}, which ends at "
+                f"{head.next_position}: its data up to the fork point is missing; see the startup log",
+                status=503,
+            )
         used = sum(len(m) for m in head.messages)
         if head.next_position < base or head.next_position == limit or used >= max_bytes:
             return head

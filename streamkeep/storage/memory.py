@@ -92,6 +92,9 @@ class MemoryLog:
     def latest_commit(self) -> Commit:
         return resolved(self.tail)
 
+    async def make_durable(self) -> None:
+        """Nothing outlives the process here."""
+
 
 class MemoryStorage:
     def __init__(self, *, max_stream_bytes: int, max_total_bytes: int) -> None:

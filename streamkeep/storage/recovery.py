@@ -52,6 +52,9 @@ class Loaded:
         self.segments: list[Segment] = []
         self.records: list[tuple[Segment, fmt.Record]] = []
         self.last_ms: int | None = None
+        # A torn tail that could not be cut now (a full or failing disk): the writer cuts it
+        # before it writes anything (SegmentWriter.repair); reads never look past the records.
+        self.needs_repair = False
 
 
 def recover(
@@ -108,18 +111,37 @@ def _recover_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> 
             continue
         data = files.read_file(fs, path)
         records, valid, reason = fmt.scan(data, keep_payload=False)
-        if not records or records[0].kind != fmt.KIND_SEGMENT or records[0].header.get("s") != expected:
-            if is_last and number > 0:  # a rotation a crash interrupted: the new file is empty or torn
-                fs.unlink(path)
-                files.fsync_dir(fs, directory)
-                report.repaired.append(f"{name}: removed torn new segment {file_name}")
-                log.warning("recovery: %s: removed torn new segment %s", name, file_name)
+        torn_header = not records or records[0].kind != fmt.KIND_SEGMENT
+        if torn_header or records[0].header.get("s") != expected:
+            # Only an empty or torn header is a rotation a crash interrupted. A whole header for
+            # another position means segments are missing before it: never remove data for that.
+            if torn_header and is_last and number > 0:
+                try:
+                    fs.unlink(path)
+                    files.fsync_dir(fs, directory)
+                except OSError as error:
+                    loaded.needs_repair = True
+                    log.warning(
+                        "recovery: %s: cannot remove torn new segment %s yet: %s", name, file_name, error
+                    )
+                else:
+                    report.repaired.append(f"{name}: removed torn new segment {file_name}")
+                    log.warning("recovery: %s: removed torn new segment %s", name, file_name)
                 break
-            raise ValueError(f"segment {file_name} has no valid header for position {expected}")
+            if torn_header:
+                raise ValueError(f"segment {file_name} has no valid header for position {expected}")
+            raise ValueError(
+                f"segment {file_name} starts at {records[0].header.get('s')}, but the segments before it end "
+                f"at {expected}: segments are missing (left in place for inspection)"
+            )
         if reason is not None:
             if not is_last:
                 raise fmt.CorruptRecord(f"sealed segment {file_name} is damaged: {reason}")
-            _truncate(fs, path, valid)
+            try:
+                _truncate(fs, path, valid)
+            except OSError as error:
+                loaded.needs_repair = True
+                log.warning("recovery: %s: cannot cut the torn tail of %s yet: %s", name, file_name, error)
             report.repaired.append(f"{name}: truncated {file_name} to {valid} bytes ({reason})")
             log.warning(
                 "recovery: %s: truncated torn tail of %s at byte %d (%s)", name, file_name, valid, reason

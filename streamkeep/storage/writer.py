@@ -225,18 +225,15 @@ class SegmentWriter:
         fd = fs.open(active.path, os.O_RDWR)
         try:
             size = fs.fsize(fd)
-            check_from = active.last_record_at or 0
-            tail = fs.pread(fd, active.size - check_from, check_from) if size >= active.size else b""
-            _records, valid, reason = fmt.scan(tail, keep_payload=False)
-            if size < active.size or valid < len(tail):
-                self.read_only = (
-                    f"{active.path.name} no longer holds the records already acknowledged "
-                    f"({reason or 'the file is shorter'}); restart the server to recover the stream "
-                    "from what is on disk"
-                )
-                raise ReadOnly(self.read_only)
-            if size > active.size:
+            if size < active.size:
+                self._read_only(active, "the file is shorter")
+            if size > active.size:  # first, before anything that can fail: cut what the failed write left
                 fs.ftruncate(fd, active.size)
+            check_from = active.last_record_at or 0
+            tail = fs.pread(fd, active.size - check_from, check_from)
+            _records, valid, reason = fmt.scan(tail, keep_payload=False)
+            if valid < len(tail):
+                self._read_only(active, reason or "a short read")
             unsynced_from = min(self.synced_size if self.synced_size is not None else 0, active.size)
             if unsynced_from < active.size:
                 data = tail[unsynced_from - check_from :] if unsynced_from >= check_from else b""
@@ -252,6 +249,13 @@ class SegmentWriter:
         self._fd = fd
         self.needs_repair = False
         self.synced_size = active.size
+
+    def _read_only(self, active: Segment, reason: str) -> None:
+        self.read_only = (
+            f"{active.path.name} no longer holds the records already acknowledged ({reason}); "
+            "restart the server to recover the stream from what is on disk"
+        )
+        raise ReadOnly(self.read_only)
 
     # ---- syncing (--fsync interval) -----------------------------------------------------
 
