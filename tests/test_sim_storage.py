@@ -1,0 +1,223 @@
+"""The disk storage on the simulated file system (ops/torture/simfs.py): the bugs the deterministic
+simulation found, each pinned down by a test that steers the faults by hand."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from ops.torture.simfs import FaultPlan, SimFileSystem
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.protocol.model import Headers, Request, Response
+from streamkeep.segments import format as fmt
+from streamkeep.segments import layout
+from streamkeep.service import Service, ServiceOptions
+from streamkeep.storage.base import ByteBudget
+from streamkeep.storage.disk import DiskStorage
+
+ROOT = Path("/data")
+T = [("Content-Type", "text/plain")]
+
+
+class Steered(SimFileSystem):
+    """The simulated file system, with faults aimed by hand: `after_rename_into(path, n)` fails the
+    next `n` fsyncs once something is renamed to `path`; `fail_reads` fails every pread while set."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity=capacity, faults=FaultPlan(random.Random(7), rates={}, enabled=False))
+        self.armed: tuple[str, int] | None = None
+        self.fail_reads = False
+
+    def after_rename_into(self, path: Path, times: int) -> None:
+        self.armed = (str(path), times)
+
+    def rename(self, source: Any, target: Any) -> None:
+        super().rename(source, target)
+        if self.armed is not None and os.fspath(target) == self.armed[0]:
+            for _ in range(self.armed[1]):
+                self.faults.force("eio", "fsync")
+            self.armed = None
+
+    def pread(self, fd: int, length: int, offset: int) -> bytes:
+        if self.fail_reads:
+            raise OSError(errno.EIO, "Input/output error")
+        return super().pread(fd, length, offset)
+
+
+def new_fs(capacity: int = 1 << 30) -> Steered:
+    return Steered(capacity)
+
+
+@asynccontextmanager
+async def server(fs: SimFileSystem, **options: Any) -> AsyncIterator[tuple[Service, DiskStorage]]:
+    storage = DiskStorage(ROOT, budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26), fs=fs, **options)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        service = Service(Supervisor(storage, nursery), ServiceOptions())
+        service.nursery = nursery
+        try:
+            yield service, storage
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def call(service: Service, method: str, name: str, body: bytes = b"", headers: list | None = None, query: str = "") -> Response:
+    return await service.handle(Request(method, f"/v1/stream/{name}", query, Headers(headers or []), body))
+
+
+async def test_a_delete_done_but_not_made_durable_says_so_and_stays_done() -> None:
+    """A DELETE whose rename succeeded while every directory fsync failed was answered 503 as if
+    nothing happened, and the stream vanished at the next start. Now the answer says it was done."""
+    fs = new_fs()
+    async with server(fs) as (service, _):
+        assert (await call(service, "PUT", "s", b"x;", T)).status == 201
+        trash = ROOT / layout.TRASH
+        fs.rename = _arm_on_prefix(fs, str(trash) + "/")  # type: ignore[method-assign]
+        answer = await call(service, "DELETE", "s")
+        assert answer.status == 503 and b"was done" in answer.body
+        assert (await call(service, "HEAD", "s")).status == 404
+    fs.crash()
+    async with server(fs) as (service, _):
+        assert (await call(service, "HEAD", "s")).status == 404
+
+
+async def test_a_create_done_but_not_made_durable_is_usable() -> None:
+    fs = new_fs()
+    async with server(fs) as (service, _):
+        fs.after_rename_into(ROOT / layout.STREAMS / "s", 3)  # every try of the directory commit
+        answer = await call(service, "PUT", "s", b"x;", T)
+        assert answer.status == 503 and b"was done" in answer.body
+        assert (await call(service, "PUT", "s", b"", T)).status == 200  # it exists, as created
+        assert (await call(service, "POST", "s", b"y;", T)).status == 204
+        assert (await call(service, "GET", "s", query="offset=-1")).body == b"x;y;"
+
+
+@pytest.mark.parametrize("fsync", ["interval", "never"])
+async def test_a_fork_point_survives_a_power_cut(fsync: str) -> None:
+    """Under a relaxed fsync policy a fork could be created at a point its source did not yet have
+    on disk; after a power cut the fork pointed past its source's end and its reads spun forever."""
+    fs = new_fs()
+    async with server(fs, fsync=fsync, fsync_interval=1000.0) as (service, _):
+        assert (await call(service, "PUT", "src", b"a;", T)).status == 201
+        assert (await call(service, "POST", "src", b"b;", T)).status == 204
+        fork = await call(service, "PUT", "fork", b"", [("Stream-Forked-From", "/v1/stream/src")])
+        assert fork.status == 201
+    fs = fs.power_cut(random.Random(1))
+    async with server(fs, fsync=fsync, fsync_interval=1000.0) as (service, _):
+        with trio.fail_after(5):
+            assert (await call(service, "GET", "fork", query="offset=-1")).body == b"a;b;"
+
+
+async def test_an_inherited_range_that_ends_early_is_an_error_not_a_spin() -> None:
+    """If a fork's source is shorter than its fork point (damage, or a power cut before the fix
+    above), SSE and catch-up reads of the fork answer 503 instead of looping without end."""
+    fs = new_fs()
+    async with server(fs) as (service, _):
+        await call(service, "PUT", "src", b"abcdef", T)
+        await call(service, "PUT", "fork", b"", [("Stream-Forked-From", "/v1/stream/src")])
+    source = ROOT / layout.STREAMS / "src" / layout.segment_filename(0)
+    header_end = fmt.scan(_read(fs, source))[0][0].end
+    fd = fs.open(source, os.O_RDWR)
+    fs.ftruncate(fd, header_end)  # the source lost its only append
+    fs.close(fd)
+    async with server(fs) as (service, _):
+        with trio.fail_after(5):
+            assert (await call(service, "GET", "fork", query="offset=-1")).status == 503
+            sse = await call(service, "GET", "fork", query="offset=-1&live=sse")
+            assert sse.status == 503
+
+
+async def test_a_gap_before_the_last_segment_removes_nothing() -> None:
+    """Recovery took a whole segment that starts later than the segments before it end (some are
+    missing) for a torn new segment, and deleted it: data lost to a misdiagnosis."""
+    fs = new_fs()
+    async with server(fs, segment_max_messages=1) as (service, _):
+        await call(service, "PUT", "s", b"", T)
+        for body in (b"one;", b"two;", b"three;"):
+            assert (await call(service, "POST", "s", body, T)).status == 204
+    directory = ROOT / layout.STREAMS / "s"
+    segments = sorted(n for n in fs.listdir(directory) if n.endswith(layout.SEGMENT_SUFFIX))
+    fs.unlink(directory / segments[1])  # a segment in the middle is gone
+    async with server(fs) as (service, storage):
+        assert storage.open("s") is None  # skipped, for inspection
+    assert sorted(n for n in fs.listdir(directory) if n.endswith(layout.SEGMENT_SUFFIX)) == [segments[0], segments[2]]
+
+
+async def test_recovery_starts_when_it_cannot_finish_a_delete() -> None:
+    """Recovery wrote while finishing a cascading delete, and a full disk stopped the server. Now
+    the delete waits for the next start and the server serves."""
+    fs = new_fs()
+    async with server(fs) as (service, _):
+        await call(service, "PUT", "src", b"a;", T)
+        await call(service, "PUT", "fork", b"", [("Stream-Forked-From", "/v1/stream/src")])
+        assert (await call(service, "DELETE", "src")).status == 204  # soft-deleted: the fork reads it
+    # The fork's directory vanishes behind the server's back (a crash mid-cascade), and renames fail.
+    for name in fs.listdir(ROOT / layout.STREAMS / "fork"):
+        fs.unlink(ROOT / layout.STREAMS / "fork" / name)
+    fs.rmdir(ROOT / layout.STREAMS / "fork")
+    fs.faults.force("enospc", "rename")
+    async with server(fs) as (service, _):
+        assert (await call(service, "GET", "src")).status == 410  # still soft-deleted, not lost
+        assert (await call(service, "PUT", "other", b"x", T)).status == 201
+    async with server(fs) as (service, _):
+        assert (await call(service, "GET", "src")).status == 404  # the next start finished it
+
+
+async def test_after_a_crash_what_recovery_read_is_made_durable() -> None:
+    """After an unclean stop the page cache can hold what was never synced (fsync=interval); the
+    next start syncs it, so a power cut later cannot take back what readers were shown."""
+    fs = new_fs()
+    async with server(fs, fsync="interval", fsync_interval=1000.0) as (service, _):
+        await call(service, "PUT", "s", b"", T)
+        assert (await call(service, "POST", "s", b"kept;", T)).status == 204
+    fs.crash()  # no clean stop: nothing synced the append
+    async with server(fs, fsync="interval", fsync_interval=1000.0) as (service, _):
+        assert (await call(service, "GET", "s", query="offset=-1")).body == b"kept;"
+    fs = fs.power_cut(random.Random(3))
+    async with server(fs, fsync="interval", fsync_interval=1000.0) as (service, _):
+        assert (await call(service, "GET", "s", query="offset=-1")).body == b"kept;"
+
+
+async def test_a_failed_write_is_cut_back_even_when_the_file_cannot_be_read() -> None:
+    """The undo of a failed write re-read the last record before cutting: a read error left the
+    failed bytes in the file, and the next start took them for data."""
+    fs = new_fs()
+    async with server(fs, sync_method="syncfs") as (service, _):
+        await call(service, "PUT", "s", b"kept;", T)
+        fs.faults.force("eio", "syncfs")
+        fs.fail_reads = True
+        assert (await call(service, "POST", "s", b"failed;", T)).status == 503
+        fs.fail_reads = False
+    fs.crash()
+    async with server(fs, sync_method="syncfs") as (service, _):
+        assert (await call(service, "GET", "s", query="offset=-1")).body == b"kept;"
+
+
+def _arm_on_prefix(fs: Steered, prefix: str) -> Any:
+    """A rename that, once something is renamed under `prefix`, fails every try of the commit."""
+    real = fs.rename
+
+    def rename(source: Any, target: Any) -> None:
+        real(source, target)
+        if os.fspath(target).startswith(prefix):
+            for _ in range(6):  # streams/ and trash/, three tries each
+                fs.faults.force("eio", "fsync")
+
+    return rename
+
+
+def _read(fs: SimFileSystem, path: Path) -> bytes:
+    fd = fs.open(path, os.O_RDONLY)
+    try:
+        return fs.pread(fd, 1 << 20, 0)
+    finally:
+        fs.close(fd)
+
