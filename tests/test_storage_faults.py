@@ -18,8 +18,9 @@ from streamkeep.protocol.model import Headers, Request
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage.base import AppendRecord, ByteBudget
-from streamkeep.storage.disk import DiskLog, DiskStorage
+from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.errors import StorageUnavailable
+from streamkeep.storage.log import DiskLog
 from tests.faultyfs import FaultyFS, eio, enospc
 
 

@@ -27,8 +27,9 @@ import trio
 
 from streamkeep.health import Health
 from streamkeep.storage.coldstore import ColdConfig, FdReader, ObjectStore, digest
-from streamkeep.storage.disk import DiskLog, DiskStorage
+from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.index import Segment
+from streamkeep.storage.log import DiskLog
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,11 @@
-"""Disk storage: each stream is a directory of segment files (docs/segment-format.md).
+"""Disk storage: each stream is a directory of segment files (docs/segment-format.md), each
+kept by a `DiskLog` (log.py); this module is the storage around them.
 
-A `DiskLog` is one stream: what its actor has accepted, what is durable and shown to readers, and
-where every published record lives. Appends queue in the log; the `Committer` (committer.py) writes
-and syncs them in rounds through the stream's `SegmentWriter` (writer.py) and publishes them.
-
-Every operation that touches a stream's files (a commit round, sealing an idle segment, a
-background sync, recording an upload, dropping a local copy, deleting the stream) holds the
-stream's I/O lock, so none of them can close, replace or delete a file another is using. A delete
-first lets the commits already accepted land (they happened before the delete), then takes the
-lock, so an append racing a DELETE either lands in the old stream or is answered 404, and the
-stream's descriptor is closed before its files go: nothing stays open on a deleted file.
+It creates and deletes streams, recovers them at start, runs the committer and interval syncs,
+and recovers from an unclean stop. A delete first lets the commits already accepted land (they
+happened before the delete), then takes the stream's I/O lock, so an append racing a DELETE
+either lands in the old stream or is answered 404, and the stream's descriptor is closed before
+its files go: nothing stays open on a deleted file.
 
 With `fsync=always` an append is published (acknowledged, visible to readers) only after it is
 synced. `interval` publishes after the write and syncs dirty streams every `fsync_interval`;
@@ -22,8 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,434 +27,31 @@ import trio
 
 from streamkeep.background import supervised
 from streamkeep.health import Health
-from streamkeep.protocol.stream import ProducerMark, ProducerState, StreamMeta
+from streamkeep.protocol.stream import StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
-from streamkeep.storage import files, manifest
-from streamkeep.storage.base import AppendRecord, ByteBudget, Commit, ReadResult, resolved
-from streamkeep.storage.committer import Batch, Committer, RoundSettings
+from streamkeep.storage import files
+from streamkeep.storage.base import ByteBudget
+from streamkeep.storage.committer import Committer, RoundSettings
 from streamkeep.storage.directory import DataDirectory, FormatError
 from streamkeep.storage.errors import (
     StorageUnavailable,
-    StreamDeleted,
     below_reserve,
     from_os_error,
     not_durable,
 )
 from streamkeep.storage.files import FileSystem
-from streamkeep.storage.index import Entry, RecordIndex, Segment, TailCache
+from streamkeep.storage.index import Segment
+from streamkeep.storage.log import DiskLog
 from streamkeep.storage.meta import encode_meta
 from streamkeep.storage.recovery import Loaded, RecoveryReport, recover
 from streamkeep.storage.tiering import ColdTier
-from streamkeep.storage.writer import Pending, ReadOnly, SegmentLimits, SegmentWriter, plan_batch
+from streamkeep.storage.writer import ReadOnly, SegmentLimits
 
 log = logging.getLogger(__name__)
 
 FSYNC_POLICIES = ("always", "interval", "never")
 RunSync = Callable[..., Awaitable[Any]]
-
-
-class DiskLog:
-    def __init__(self, storage: DiskStorage, directory: Path, meta: StreamMeta) -> None:
-        self._storage = storage
-        self.directory = directory
-        self.meta = meta  # accepted
-        self.producers: dict[str, ProducerState] = {}
-        self.on_publish: Callable[[], None] | None = None
-        self.segments: list[Segment] = []
-        self.index = RecordIndex()
-        self._cache = TailCache(storage.cache_bytes)
-        self._tail = meta.fork_base
-        # published (durable) state
-        self._pub_tail = meta.fork_base
-        self._pub_closed = False
-        self._durable_meta = replace(meta)
-        self._durable_producers: dict[str, ProducerState] = {}
-        self._queue: list[Pending] = []
-        self._committing = False
-        self._latest: Commit = resolved(0)
-        self.writer = SegmentWriter(storage.fs, directory)
-        self.io_lock = trio.Lock()
-        self.dirty = False  # written but not yet synced (fsync=interval)
-        self.deleted = False
-        self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier
-
-    # ---- state views --------------------------------------------------------------------
-
-    @property
-    def tail(self) -> int:
-        return self._tail
-
-    @property
-    def published_tail(self) -> int:
-        return self._pub_tail
-
-    @property
-    def published_closed(self) -> bool:
-        return self._pub_closed
-
-    @property
-    def pending(self) -> int:
-        return len(self._queue) + (1 if self._committing else 0)
-
-    @property
-    def active_segment(self) -> Segment:
-        return self.segments[-1]
-
-    def latest_commit(self) -> Commit:
-        return self._latest
-
-    def next_append_end(self, position: int) -> int | None:
-        return self.index.record_end(position, self._pub_tail)
-
-    def is_boundary(self, position: int) -> bool:
-        return self.index.is_boundary(position, self.meta.fork_base, self._pub_tail)
-
-    # ---- loading (recovery) -----------------------------------------------------------
-
-    def index_record(self, segment: Segment, record: fmt.Record, payload: bytes | None) -> None:
-        """Adds a durable record to the published state (used by recovery and by publishing)."""
-        lengths = record.message_lengths
-        self.index.add(
-            Entry(
-                record.start,
-                record.payload_len,
-                segment,
-                record.payload_offset,
-                lengths if len(lengths) > 1 else None,
-            )
-        )
-        self._pub_tail = record.start + record.payload_len
-        if segment.appends == 0:
-            segment.first_ms = record.time_ms
-        segment.appends += 1
-        segment.size = max(segment.size, record.end)
-        segment.last_record_at = record.file_offset
-        producer = record.producer
-        if producer is not None:
-            self._durable_producers[producer[0]] = ProducerState(producer[1], producer[2])
-        if record.stream_seq is not None:
-            self._durable_meta.last_stream_seq = record.stream_seq
-        if record.closes:
-            self._pub_closed = True
-            self._durable_meta.closed = True
-            if producer is not None:
-                self._durable_meta.closed_by = ProducerMark(*producer)
-        if payload is not None:
-            self._cache.put(len(self.index) - 1, payload)
-
-    def adopt_durable_state(self, last_append_ms: int | None) -> None:
-        """After loading: the accepted state starts equal to the durable one."""
-        if last_append_ms is not None:
-            self._durable_meta.last_access = max(self._durable_meta.created_at, last_append_ms / 1000)
-        else:
-            self._durable_meta.last_access = self._durable_meta.created_at
-        self._tail = self._pub_tail
-        self.meta = replace(self._durable_meta)
-        self.producers = dict(self._durable_producers)
-
-    # ---- appends ----------------------------------------------------------------------
-
-    def submit(self, record: AppendRecord) -> Commit:
-        storage = self._storage
-        if self.writer.read_only is not None:
-            raise StorageUnavailable(
-                f"stream {self.meta.name!r} takes no appends: {self.writer.read_only}", status=503
-            )
-        blocked = storage.cold.appends_blocked() if storage.cold is not None else None
-        if blocked is not None:
-            raise StorageUnavailable(blocked, status=503)
-        added = sum(len(m) for m in record.messages)
-        storage.budget.reserve(self._tail - self.meta.fork_base, added)
-        pending = Pending(record, self._tail, Commit(), int(time.time() * 1000))
-        self._tail += added
-        # The record's meta is a fresh copy made for this append; only last_access is ever
-        # written in place afterwards, so sharing it is safe and saves a copy per append.
-        self.meta = record.meta
-        if record.producer is not None:
-            self.producers[record.producer[0]] = record.producer[1]
-        self._queue.append(pending)
-        self._latest = pending.commit
-        storage.committer.wake(self)
-        return pending.commit
-
-    def take_batch(self) -> Batch | None:
-        """For the committer: everything queued since the last round, laid out for writing, with
-        the I/O lock held until `finish_batch`. None if there is nothing, or the lock is busy (its
-        holder wakes the committer again when it lets go)."""
-        if not self._queue:
-            return None
-        try:
-            self.io_lock.acquire_nowait()
-        except trio.WouldBlock:
-            return None
-        pending, self._queue = self._queue, []
-        self._committing = True
-        storage = self._storage
-        try:
-            if self.deleted:  # cannot happen (a delete drains first); never write to a deleted stream
-                raise StreamDeleted()
-            plan = plan_batch(
-                self.active_segment, pending, self.meta, storage.limits, int(time.time() * 1000)
-            )
-        except Exception as error:
-            batch = Batch(self, pending, None)  # type: ignore[arg-type]
-            batch.error = error
-            self.finish_batch(batch)
-            return None
-        return Batch(self, pending, plan)
-
-    def finish_batch(self, batch: Batch) -> None:
-        self._committing = False
-        try:
-            if batch.error is None:
-                self._publish(batch)
-                self._storage.health.ok("commit")
-            else:
-                self._fail(batch.pending + self._queue, self._storage_error(batch.error))
-                self._queue = []
-        finally:
-            self.io_lock.release()
-
-    def _storage_error(self, error: Exception) -> Exception:
-        what = f"append to {self.meta.name!r}"
-        if isinstance(error, OSError):
-            return from_os_error(error, what)
-        if isinstance(error, ReadOnly):
-            return StorageUnavailable(f"{what}: {error}", status=503)
-        if isinstance(error, StorageUnavailable | StreamDeleted):
-            return error
-        log.error("%s failed: %r", what, error)
-        return StorageUnavailable(f"{what} failed: {error}; retry shortly", status=503)
-
-    def _publish(self, batch: Batch) -> None:
-        storage = self._storage
-        sealed = False
-        for pending, (segment, record_at, payload_at, header) in zip(
-            batch.pending, batch.plan.entries, strict=True
-        ):
-            if segment is not self.segments[-1]:
-                self.segments.append(segment)  # the first append of a segment this batch rotated to
-                sealed = True
-            payload = b"".join(pending.record.messages)
-            record = fmt.Record(fmt.KIND_APPEND, header, record_at, payload_at, len(payload), payload)
-            self.index_record(segment, record, payload)
-            self._durable_meta = pending.record.meta
-            pending.commit.resolve(self._pub_tail)
-        if storage.fsync != "always":
-            self.dirty = True
-        if sealed and storage.cold is not None:
-            storage.cold.sealed()
-        self.published()
-
-    def published(self) -> None:
-        """Tells the actor (and through it live readers and subscriptions) about new data. A
-        listener's failure must not take the committer down with it."""
-        if self.on_publish is not None:
-            try:
-                self.on_publish()
-            except Exception:
-                log.exception("stream %r: a publish listener failed", self.meta.name)
-
-    def _fail(self, pending: list[Pending], error: Exception) -> None:
-        self._storage.health.failed("commit", str(error))
-        self._storage.budget.release(self._tail - self._pub_tail)
-        self._tail = self._pub_tail
-        # Undo the failed appends only: fork links and soft deletion are not part of them.
-        self.meta = replace(
-            self._durable_meta,
-            last_access=self.meta.last_access,
-            fork_count=self.meta.fork_count,
-            soft_deleted=self.meta.soft_deleted,
-        )
-        self.producers = dict(self._durable_producers)
-        # A retried duplicate or an idempotent close waits on this: it repeats what is published.
-        self._latest = resolved(self._pub_tail)
-        for item in pending:
-            item.commit.fail(error)  # type: ignore[arg-type]
-
-    async def drain(self) -> None:
-        """Waits until every accepted append is published or failed."""
-        while self._queue or self._committing:
-            await self._latest.settled()
-
-    @asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Holds the stream's I/O lock; wakes the committer afterwards if appends queued meanwhile."""
-        async with self.io_lock:
-            yield
-        if self._queue:
-            self._storage.committer.wake(self)
-
-    # ---- background work on the stream's files ---------------------------------------
-
-    def should_seal(self, now_ms: float, max_age: float) -> bool:
-        active = self.active_segment
-        return (
-            not self.deleted
-            and active.appends > 0
-            and active.first_ms is not None
-            and now_ms - active.first_ms >= max_age * 1000
-        )
-
-    async def seal_idle(self) -> bool:
-        """Seals the active segment of a stream nobody is appending to (for --segment-max-age):
-        a new, empty segment takes its place, so the old one can move to the cold tier."""
-        if self._queue or self._committing:
-            return False
-        async with self.exclusive():
-            active = self.active_segment
-            if self._queue or self.deleted or not active.appends:
-                return False
-            start = self._pub_tail
-            segment = Segment(start, self.directory / layout.segment_filename(start), 0)
-            header = fmt.encode_segment_header(
-                self.meta.name, start, self.meta.content_type, self.meta.stream_id
-            )
-            await self._storage.run_io(self.writer.start_segment, active, segment, header)
-            segment.size = len(header)
-            self.segments.append(segment)
-        if self._storage.cold is not None:
-            self._storage.cold.sealed()
-        return True
-
-    async def make_durable(self) -> None:
-        if self._storage.fsync != "always" and self.dirty:
-            try:
-                await self.sync()
-            except OSError as error:
-                raise from_os_error(error, f"sync of {self.meta.name!r}") from None
-
-    async def sync(self) -> None:
-        """Makes what this stream wrote durable (fsync=interval)."""
-        async with self.exclusive():
-            if self.deleted:
-                return
-            self.dirty = False
-            try:
-                await self._storage.run_io(self.writer.sync, self.active_segment)
-            except OSError:
-                self.dirty = True
-                raise
-
-    async def open_sealed(self, segment: Segment) -> int | None:
-        """A descriptor of a sealed segment for the archiver to upload from, or None if the stream
-        is gone. It stays valid whatever happens to the stream meanwhile."""
-        async with self.exclusive():
-            if self.deleted or not segment.local:
-                return None
-            return await self._storage.run_io(self._storage.fs.open, segment.path, os.O_RDONLY)
-
-    async def record_upload(self, segment: Segment, entry: dict) -> bool:
-        """Notes an uploaded, verified segment in the manifest (after writing its index sidecar).
-        False if the stream was deleted meanwhile (the object is then an orphan to delete)."""
-        async with self.exclusive():
-            if self.deleted:
-                return False
-            entries = [*self.cold_entries, entry]
-            fs = self._storage.fs
-            await self._storage.run_io(_record_upload, fs, segment.path, self.directory, entries)
-            self.cold_entries = entries
-            segment.cold_key = entry["key"]
-            return True
-
-    async def drop_local(self, segment: Segment) -> None:
-        """Removes the local copy of an uploaded segment: its reads go to the bucket from now on."""
-        async with self.exclusive():
-            if self.deleted or not segment.local or segment.cold_key is None:
-                return
-            segment.local = False
-            await self._storage.run_io(files.unlink_quietly, self._storage.fs, segment.path)
-
-    # ---- reads ------------------------------------------------------------------------
-
-    async def read(self, start: int, max_bytes: int, *, whole_messages: bool) -> ReadResult:
-        tail = self._pub_tail
-        if start >= tail:
-            return ReadResult([], tail)
-        entries = self.index.entries
-        first = self.index.find(start)
-        last = first + 1
-        size = entries[first].length
-        while last < len(entries) and size + entries[last].length <= max_bytes:
-            size += entries[last].length
-            last += 1
-        payloads = await self._payloads(first, last)
-        messages: list[bytes] = []
-        end = entries[last - 1].end
-        if whole_messages:
-            for entry, payload in zip(entries[first:last], payloads, strict=True):
-                at, cut = entry.start, 0
-                # A close-only append holds no message (a JSON value is never empty).
-                for length in entry.messages or ([len(payload)] if payload else []):
-                    if at >= start:
-                        messages.append(payload[cut : cut + length])
-                    at += length
-                    cut += length
-            return ReadResult(messages, end)
-        head = payloads[0][start - entries[first].start :]
-        if len(head) > max_bytes:
-            return ReadResult([head[:max_bytes]], start + max_bytes)
-        return ReadResult([head, *payloads[1:]], end)
-
-    async def _payloads(self, first: int, last: int) -> list[bytes]:
-        entries = self.index.entries
-        found: dict[int, bytes] = {}
-        missing: dict[int, list[int]] = {}
-        for index in range(first, last):
-            cached = self._cache.get(index)
-            if cached is not None:
-                found[index] = cached
-            else:
-                missing.setdefault(id(entries[index].segment), []).append(index)
-        for indexes in missing.values():
-            head, tail = entries[indexes[0]], entries[indexes[-1]]
-            begin = head.payload_at
-            data = await self._read_segment(head.segment, begin, tail.payload_at + tail.length - begin)
-            for index in indexes:
-                at = entries[index].payload_at - begin
-                found[index] = data[at : at + entries[index].length]
-        return [found[index] for index in range(first, last)]
-
-    async def _read_segment(self, segment: Segment, begin: int, length: int) -> bytes:
-        storage = self._storage
-        what = f"read of {self.meta.name!r}"
-        if segment.local:
-            try:
-                data = await storage.run_io(files.pread_exact, storage.fs, segment.path, begin, length)
-            except FileNotFoundError:
-                if self.deleted:
-                    raise StreamDeleted() from None
-                if segment.cold_key is None:
-                    raise StorageUnavailable(
-                        f"{what}: segment file {segment.path.name} is missing", status=503
-                    ) from None
-                # It moved to the bucket while this read was on its way: read it there.
-            except OSError as error:
-                if self.deleted:
-                    raise StreamDeleted() from None
-                raise from_os_error(error, what) from None
-            else:
-                if self.deleted:
-                    # The path may already hold a new stream's file of the same name: never serve it.
-                    raise StreamDeleted()
-                return data
-        if storage.cold is None or segment.cold_key is None:
-            raise StorageUnavailable(
-                f"{segment.path.name} of {self.meta.name!r} is in the cold tier, which is off", status=503
-            )
-        try:
-            return await storage.cold.read(segment.cold_key, begin, length)
-        except Exception as error:  # S3 down, timeouts, missing objects: never wrong or partial data
-            raise StorageUnavailable(
-                f"the cold tier could not serve {self.meta.name!r}: {error}; retry shortly", status=503
-            ) from None
-
-
-def _record_upload(fs: FileSystem, segment_path: Path, directory: Path, entries: list[dict]) -> None:
-    """Index sidecar first, then the manifest: a manifest entry always has its sidecar."""
-    manifest.write_index(fs, segment_path)
-    manifest.save_manifest(fs, directory, entries)
 
 
 class DiskStorage:
