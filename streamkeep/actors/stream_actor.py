@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -23,11 +24,8 @@ from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
 from streamkeep.protocol.headers import media_type
 from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSpec, StreamMeta
 from streamkeep.storage import forks
-from streamkeep.storage.base import AppendRecord, Commit, StreamLog
+from streamkeep.storage.base import AppendRecord, Commit, Storage, StreamLog
 from streamkeep.storage.errors import STORAGE_ERRORS, StorageUnavailable, as_protocol_error
-
-if TYPE_CHECKING:
-    from streamkeep.actors.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +66,21 @@ class PendingAppend:
         return self.outcome
 
 
+class ActorHost(Protocol):
+    """What an actor needs from whoever runs it (the Supervisor): its storage, its mailbox size,
+    the listeners of stream changes, a way to leave, and calls to other streams' actors."""
+
+    storage: Storage
+    mailbox_size: int
+    listeners: list[Callable[[str], None]]
+
+    def forget(self, actor: StreamActor) -> None: ...
+
+    async def call(self, name: str, handler: str, *args: Any, must_exist: bool = True) -> Any: ...
+
+
 class StreamActor:
-    def __init__(self, name: str, supervisor: Supervisor) -> None:
+    def __init__(self, name: str, supervisor: ActorHost) -> None:
         self.name = name
         self._supervisor = supervisor
         self._storage = supervisor.storage
