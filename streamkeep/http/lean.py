@@ -20,10 +20,9 @@ from http import HTTPStatus
 
 import trio
 
-from streamkeep.http.budget import BodyBudget
+from streamkeep.http.edge import Connections, EdgeLimits, hung_up, rejection
 from streamkeep.http.h1 import READ_SIZE, BadRequest, PeerClosed, RequestReader
 from streamkeep.http.lean_h2 import H2_PREFACE, serve_h2
-from streamkeep.protocol import responses
 from streamkeep.protocol.errors import ProtocolError, body_too_large
 from streamkeep.protocol.model import Framed, Headers, Request, Response
 from streamkeep.service import Service
@@ -35,27 +34,11 @@ HEADER_TIMEOUT = 30.0  # a client gets this long to send a request's head once i
 KEEP_ALIVE_TIMEOUT = 75.0
 
 
-class EdgeLimits:
-    def __init__(
-        self, *, max_body_bytes: int, body_timeout: float, h2_max_concurrent_streams: int, budget: BodyBudget
-    ) -> None:
-        self.budget = budget
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
-        self.h2_max_concurrent_streams = h2_max_concurrent_streams
-
-
 def reason(status: int) -> bytes:
     try:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
-
-
-def rejection(service: Service, error: ProtocolError) -> Response:
-    response = responses.error(error)
-    response.headers.extend(responses.common_headers(service.options.cors_origin))
-    return response
 
 
 def body_timed_out(timeout: float) -> ProtocolError:
@@ -80,15 +63,6 @@ class ChunkedPush:
         return os.write(self.fd, data)  # the socket is non-blocking: BlockingIOError when full
 
 
-class Connections:
-    """Open connections, so shutdown can close idle ones at once and busy ones after a grace."""
-
-    def __init__(self) -> None:
-        self.idle: set[trio.CancelScope] = set()
-        self.all: set[trio.CancelScope] = set()
-        self.closing = False
-
-
 async def serve_connection(
     stream: trio.abc.Stream,
     service: Service,
@@ -100,10 +74,11 @@ async def serve_connection(
         connections.all.add(scope)
         try:
             await _serve(stream, service, limits, connections, scope, ssl_context)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError):
-            pass
-        except Exception:
-            log.exception("connection failed; closing it")
+        except Exception as error:
+            if hung_up(error):  # the client went away: nothing to report
+                log.debug("connection ended by the peer: %r", error)
+            else:
+                log.exception("connection failed; closing it")
         finally:
             connections.all.discard(scope)
             connections.idle.discard(scope)

@@ -13,12 +13,12 @@ import h2.exceptions
 import h2.settings
 import trio
 
+from streamkeep.http.edge import Connections, EdgeLimits, rejection
 from streamkeep.http.h1 import READ_SIZE
 from streamkeep.protocol.errors import ProtocolError, body_too_large
 from streamkeep.protocol.model import Headers, Request, Response
 
 if TYPE_CHECKING:
-    from streamkeep.http.lean import Connections, EdgeLimits
     from streamkeep.service import Service
 
 log = logging.getLogger(__name__)
@@ -235,8 +235,6 @@ class _H2Connection:
     # ---- responses ----------------------------------------------------------------------
 
     async def respond(self, stream_id: int, state: _Stream) -> None:
-        from streamkeep.http.lean import rejection
-
         with trio.CancelScope() as scope:
             state.scope = scope
             try:

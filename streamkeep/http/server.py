@@ -1,4 +1,7 @@
-"""Runs the service under hypercorn's trio worker: HTTP/1.1, h2c (prior knowledge), TLS with h2."""
+"""Starts the server: storage (recovered, upgraded to the current format), the cold tier, the
+service and its background work, then the HTTP edge: the lean edge by default (lean.py,
+lean_h2.py: HTTP/1.1, h2c by prior knowledge, TLS with h2) or quart-trio on hypercorn's trio
+worker (`--edge quart`). At shutdown, storage syncs what a relaxed fsync policy left."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from streamkeep.background import supervised
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
 from streamkeep.http.budget import BodyBudget
-from streamkeep.http.lean import EdgeLimits, serve_lean
+from streamkeep.http.edge import EdgeLimits
+from streamkeep.http.lean import serve_lean
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage import files, migrate
 from streamkeep.storage.archiver import Archiver

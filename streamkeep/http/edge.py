@@ -1,0 +1,53 @@
+"""What both halves of the lean edge share (lean.py: HTTP/1.1 and the accept loop; lean_h2.py:
+HTTP/2): the limits a connection runs under, the set of open connections, the error answers
+written without the service, and how to tell a client that hung up from a failure of ours."""
+
+from __future__ import annotations
+
+import ssl
+
+import trio
+
+from streamkeep.http.budget import BodyBudget
+from streamkeep.protocol import responses
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.model import Response
+from streamkeep.service import Service
+
+
+class EdgeLimits:
+    def __init__(
+        self, *, max_body_bytes: int, body_timeout: float, h2_max_concurrent_streams: int, budget: BodyBudget
+    ) -> None:
+        self.budget = budget
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        self.h2_max_concurrent_streams = h2_max_concurrent_streams
+
+
+def rejection(service: Service, error: ProtocolError) -> Response:
+    response = responses.error(error)
+    response.headers.extend(responses.common_headers(service.options.cors_origin))
+    return response
+
+
+class Connections:
+    """Open connections, so shutdown can close idle ones at once and busy ones after a grace."""
+
+    def __init__(self) -> None:
+        self.idle: set[trio.CancelScope] = set()
+        self.all: set[trio.CancelScope] = set()
+        self.closing = False
+
+
+# How a connection ends when its client goes away (a reset, a broken pipe, a stalled reader cut off,
+# a TLS session torn down): no fault of ours, so never worth an ERROR.
+PEER_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError)
+
+
+def hung_up(error: BaseException) -> bool:
+    """Whether `error` (or every error in an exception group, as a connection's tasks raise
+    together) only says that the peer went away."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(hung_up(inner) for inner in error.exceptions)
+    return isinstance(error, PEER_GONE)
