@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart \
-	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test h2load venv clean
+	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test soak h2load venv clean
 
 venv: $(VENV_STAMP)
 
@@ -90,6 +90,12 @@ bench-cold: $(VENV_STAMP)
 
 bench-spark: $(VENV_STAMP)
 	$(PY) -m ops.bench_spark
+
+## A soak under stream churn: are the server's descriptors and memory flat? (not part of `make test`)
+## make soak DURATION=30 (minutes) ARGS="--cold"
+DURATION ?= 30
+soak: $(VENV_STAMP)
+	$(PY) -m ops.soak --minutes $(DURATION) $(ARGS)
 
 ## The kill -9 crash test on its own (it also runs inside `make unit`).
 crash-test: $(VENV_STAMP)
