@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart \
-	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test soak h2load venv clean
+	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean
 
 venv: $(VENV_STAMP)
 
@@ -36,8 +36,13 @@ test: lint unit conformance
 lint: $(VENV_STAMP)
 	$(VENV)/bin/ruff check streamkeep tests ops
 
-unit: $(VENV_STAMP)
+unit: $(VENV_STAMP) system-tools
 	$(PY) -m pytest -q
+
+# The fault tests mount a small tmpfs and an ext4 loop image (as root, as CI runs): mkfs.ext4
+# comes from Debian's e2fsprogs.
+system-tools:
+	@PATH="$$PATH:/usr/sbin:/sbin" command -v mkfs.ext4 >/dev/null || { apt-get update -qq && apt-get install -y -qq e2fsprogs; }
 
 conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart
 

@@ -4,6 +4,7 @@ image (ENOSPC can also surface at fsync, through delayed allocation). Root only.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,8 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 def ext4(path: Path, size: str) -> Iterator[Path]:
     image = path.with_suffix(".img")
     subprocess.run(["truncate", "-s", size, str(image)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    mkfs = shutil.which("mkfs.ext4") or shutil.which("mkfs.ext4", path="/usr/sbin:/sbin") or "mkfs.ext4"
+    subprocess.run([mkfs, "-q", "-F", str(image)], check=True, capture_output=True)
     path.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True)
     try:
