@@ -138,6 +138,17 @@ class LiveStream:
             return None  # reads extend a TTL; only the actor may record that
         return ReadView(latest.view, position, [], position, latest.changed)
 
+    def at_tail(self, view: ReadView) -> bool:
+        """Whether `view` still ends at the stream's tail: it did when it was read, it is our
+        newest read, and nothing was published since (a kept batch may be long past)."""
+        latest = self._latest
+        return (
+            view.at_tail
+            and latest is not None
+            and latest.next_position == view.next_position
+            and not latest.changed.is_set()
+        )
+
     def kept(self, position: int) -> Batch | None:
         return self._by_start.get(position)
 

@@ -234,9 +234,11 @@ class Service:
         *,
         cursor: str | None,
         body: bytes | None = None,
+        up_to_date: bool | None = None,
     ) -> Response:
         meta = view.view.meta
-        up_to_date = view.at_tail
+        if up_to_date is None:
+            up_to_date = view.at_tail
         closed_at_end = meta.closed and up_to_date
         tag = responses.etag(meta, start, view.next_position, closed_at_end)
         headers = [
@@ -313,6 +315,7 @@ class Service:
         else:
             view = await self._alone_read(name, start)
         with _LiveReader(self, name, view.view.meta.incarnation) as reader:
+            live_now = reader.live
             reader.live.observe(view)
             position = view.start
             deadline = trio.current_time() + self.options.long_poll_timeout
@@ -333,10 +336,12 @@ class Service:
                     continue  # timed out or stopping: answered at the top of the loop
                 view, batch = await self._next_view(reader, position)
         body = None
-        if batch is not None:
+        up_to_date = None
+        if batch is not None:  # a shared read, maybe kept a while: at the tail only if nothing came since
             meta = view.view.meta
             body = batch.encoded("body", lambda: responses.body_for(meta, view.messages))
-        return self._data_response(view, start, request, cursor=response_cursor(cursor), body=body)
+            up_to_date = live_now.at_tail(view)
+        return self._data_response(view, start, request, cursor=response_cursor(cursor), body=body, up_to_date=up_to_date)
 
     async def _sse(
         self, name: str, start: Offset | str, cursor: str | None, push: PushTarget | None

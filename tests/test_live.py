@@ -352,3 +352,28 @@ def test_a_request_sent_during_an_sse_response_is_answered_after_it(live_server:
     status, body = decode_chunked(raw[:first_end])
     assert status == 200 and b"last" in body and b'"streamClosed":true' in body
     assert raw[first_end:].startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_long_poll_answered_from_the_kept_window_is_not_up_to_date_if_more_came(server) -> None:  # type: ignore[no-untyped-def]
+    """Found by the black box: a long-poll served from a change kept in the live window said
+    Stream-Up-To-Date while later changes were already published (§5.6)."""
+    import threading
+    import time
+
+    url = f"{server.url}/v1/stream/kept-window-{time.monotonic_ns()}"
+    text = {"Content-Type": "text/plain"}
+    tail = httpx.put(url, headers=text).headers["stream-next-offset"]
+
+    def follow() -> None:  # an SSE reader keeps the stream's live window
+        with httpx.stream("GET", url, params={"offset": tail, "live": "sse"}, timeout=10) as sse:
+            for _ in sse.iter_raw():
+                pass
+
+    threading.Thread(target=follow, daemon=True).start()
+    time.sleep(0.3)
+    httpx.post(url, content=b"first;", headers=text)
+    time.sleep(0.2)
+    httpx.post(url, content=b"second;", headers=text)
+    time.sleep(0.2)
+    polled = httpx.get(url, params={"offset": tail, "live": "long-poll"})
+    assert polled.content == b"first;" and "stream-up-to-date" not in polled.headers

@@ -58,7 +58,9 @@ def new_fs(capacity: int = 1 << 30) -> Steered:
 
 @asynccontextmanager
 async def server(fs: SimFileSystem, **options: Any) -> AsyncIterator[tuple[Service, DiskStorage]]:
-    storage = DiskStorage(ROOT, budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26), fs=fs, **options)
+    storage = DiskStorage(
+        ROOT, budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26), fs=fs, **options
+    )
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)
         service = Service(Supervisor(storage, nursery), ServiceOptions())
@@ -69,7 +71,9 @@ async def server(fs: SimFileSystem, **options: Any) -> AsyncIterator[tuple[Servi
             nursery.cancel_scope.cancel()
 
 
-async def call(service: Service, method: str, name: str, body: bytes = b"", headers: list | None = None, query: str = "") -> Response:
+async def call(
+    service: Service, method: str, name: str, body: bytes = b"", headers: list | None = None, query: str = ""
+) -> Response:
     return await service.handle(Request(method, f"/v1/stream/{name}", query, Headers(headers or []), body))
 
 
@@ -148,7 +152,10 @@ async def test_a_gap_before_the_last_segment_removes_nothing() -> None:
     fs.unlink(directory / segments[1])  # a segment in the middle is gone
     async with server(fs) as (service, storage):
         assert storage.open("s") is None  # skipped, for inspection
-    assert sorted(n for n in fs.listdir(directory) if n.endswith(layout.SEGMENT_SUFFIX)) == [segments[0], segments[2]]
+    assert sorted(n for n in fs.listdir(directory) if n.endswith(layout.SEGMENT_SUFFIX)) == [
+        segments[0],
+        segments[2],
+    ]
 
 
 async def test_recovery_starts_when_it_cannot_finish_a_delete() -> None:
@@ -222,3 +229,15 @@ def _read(fs: SimFileSystem, path: Path) -> bytes:
     finally:
         fs.close(fd)
 
+
+async def test_a_segment_of_only_a_close_is_never_sealed_by_age() -> None:
+    """Found by the black box: age-sealing a segment whose only record is an empty close started a
+    segment of the same name (FileExistsError), which ended the server at every start."""
+    fs = new_fs()
+    async with server(fs, segment_max_age=0.01) as (service, storage):
+        assert (await call(service, "PUT", "done", b"", [*T, ("Stream-Closed", "true")])).status == 201
+        await trio.sleep(0.05)
+        log = storage.open("done")
+        assert log is not None and not log.should_seal(1e15, 0.01)
+        assert await log.seal_idle() is False
+        assert (await call(service, "GET", "done", query="offset=-1")).header("Stream-Closed") == "true"

@@ -293,6 +293,7 @@ class DiskLog:
         return (
             not self.deleted
             and active.appends > 0
+            and self._pub_tail > active.start
             and active.first_ms is not None
             and now_ms - active.first_ms >= max_age * 1000
         )
@@ -304,7 +305,9 @@ class DiskLog:
             return False
         async with self.exclusive():
             active = self.active_segment
-            if self._queue or self.deleted or not active.appends:
+            # A segment whose records hold no bytes (only a close) would be followed by one of the
+            # same name: there is nothing to archive in it anyway.
+            if self._queue or self.deleted or not active.appends or self._pub_tail == active.start:
                 return False
             start = self._pub_tail
             segment = Segment(start, self.directory / layout.segment_filename(start), 0)
