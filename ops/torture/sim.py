@@ -40,7 +40,7 @@ from typing import Any
 import trio
 
 from ops.torture import simthreads
-from ops.torture.model import Checker, Event, json_message, stored_json, text_body
+from ops.torture.sim_model import Checker, Event, json_message, stored_json, text_body
 from ops.torture.simfs import FaultPlan, SimFileSystem
 from ops.torture.sims3 import SimS3, SimS3Error
 from streamkeep.actors.supervisor import Supervisor
