@@ -1,0 +1,3 @@
+"""Torture tests of streamkeep (issue 11): seeded operations and faults, every answer judged against
+one reference model of the protocol (history.py, model.py, checker.py, operations/), in two tiers:
+a real server process (blackbox.py) and a deterministic in-process simulation."""
