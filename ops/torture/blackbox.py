@@ -23,6 +23,7 @@ the history is dumped (JSON lines) so the checker can judge it again offline
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -105,7 +106,8 @@ def fault_schedule(options: Options, rng: random.Random) -> list[FaultPlan]:
             "s3_freeze": rng.uniform(1, 3),
         }
         plan.append(FaultPlan(at, kind, duration.get(kind, 0.0)))
-        at += plan[-1].duration + rng.uniform(1.5, 4.0) + (1.5 if kind in ("kill", "term") else 0)
+        calm = rng.uniform(1.0, 2.5) if order else rng.uniform(1.5, 4.0)  # the first round is brisk
+        at += plan[-1].duration + calm + (1.0 if kind in ("kill", "term") else 0)
     return plan
 
 
@@ -254,14 +256,25 @@ class Run:
         assert self.server is not None
         transport = HttpTransport(self.server.url, self.history.clock, timeout=2.0)
         try:
-            while not self.stop.is_set():
+            for round_number in itertools.count():
+                if self.stop.is_set():
+                    break
                 started = self.history.start("healthz", "probe", None, {}, Call("GET", "/healthz"))
                 outcome = transport.send(started.call)
                 self.history.end(started, outcome)
                 self.watch_server()
+                if round_number % 7 == 6:
+                    self.probe_fds(quiet=False)
                 time.sleep(0.3)
         finally:
             transport.close()
+
+    def probe_fds(self, quiet: bool) -> None:
+        assert self.server is not None
+        if self.server.alive:
+            call = Call("GET", f"/proc/{self.server.pid}/fd")
+            started = self.history.start("fd_probe", "probe", None, {"quiet": quiet}, call)
+            self.history.end(started, Outcome(200, body=json.dumps(self.server.open_fds()), verdict="ok"))
 
     def watch_server(self) -> None:
         """A server that exited with nobody killing it is a finding; it is started again."""
@@ -274,6 +287,8 @@ class Run:
             self.history.fault("crash", output=server.output_tail(80))
             self.log(f"server exited on its own:\n{server.output_tail(20)}")
             server.kill()
+            while self.disk_full and not self.stop.is_set():
+                time.sleep(0.1)  # an operator frees the disk before starting it again
             self.restart_locked()
 
     def restart_locked(self) -> bool:
@@ -285,7 +300,7 @@ class Run:
         if self.dead:
             return False
         last = ""
-        bricked = len([t for t in self.crashes if t > time.monotonic() - 20]) >= 3
+        bricked = not self.disk_full and len([t for t in self.crashes if t > time.monotonic() - 20]) >= 3
         for attempt in range(0 if bricked else 3):
             try:
                 self.server.start()
@@ -359,6 +374,7 @@ class Run:
             self.sleep(plan.duration)
             self.disk.free()
             self.disk_full = False
+            self.crashes.clear()  # crashes on a full disk say nothing of a brick
             self.history.fault("disk_freed")
         elif kind in ("s3_stop", "s3_freeze") and self.s3 is not None:
             self.history.fault(kind)
@@ -400,9 +416,7 @@ class Run:
         """A quiet spell and a look at open descriptors, a last kill -9, then every stream read."""
         assert self.server is not None
         time.sleep(3.5)  # past --hibernate-after: every idle actor has let go of its files
-        if self.server.alive:
-            started = self.history.start("fd_probe", "final", None, {}, Call("GET", "/proc/self/fd"))
-            self.history.end(started, Outcome(200, body=json.dumps(self.server.open_fds()), verdict="ok"))
+        self.probe_fds(quiet=True)
         with self.server_lock:
             self.expect_down = True
             self.history.fault("kill")
@@ -432,7 +446,8 @@ class Run:
         offset, unavailable = "-1", 0
         for _ in range(2000):
             call = Call("GET", f"/v1/stream/{name}", query={"offset": offset})
-            outcome = self.execute(transport, "final", Planned("read", name, {"offset": offset}, call), ctx)
+            params = {"offset": offset, "final": True}
+            outcome = self.execute(transport, "final", Planned("read", name, params, call), ctx)
             if outcome.status in (503, None) and unavailable < 20:
                 unavailable += 1
                 time.sleep(1)
@@ -508,7 +523,10 @@ class Run:
         return result
 
     def undo_faults(self) -> None:
-        self.disk.free()
+        if self.disk_full:
+            self.disk.free()
+            self.disk_full = False
+            self.history.fault("disk_freed")
         if self.s3 is not None:
             if self.s3.frozen:
                 self.s3.thaw()
@@ -516,7 +534,6 @@ class Run:
             if self.s3.proxy._listener is None:
                 self.s3.start()
                 self.history.fault("s3_start")
-        self.history.fault("disk_freed")
 
     def progress(self, elapsed: float) -> None:
         ops = sum(1 for e in self.history.events if isinstance(e, OpStarted))

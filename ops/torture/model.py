@@ -231,6 +231,7 @@ class Incarnation:
     tails: TailLog = field(default_factory=TailLog)
     final_tail: tuple[int, int] | None = None  # (position, event) of its close
     last_tail: int = 0  # highest tail any answer reported
+    final_read: tuple[int, int] | None = None  # (tail, event) of the run's final full read
     parsed_upto: int = -1  # own content parsed into records up to here
     islands: dict[int, int] = field(default_factory=dict)  # content parsed apart: start -> end
     found: dict[str, int] = field(default_factory=dict)  # record id -> position
@@ -373,6 +374,7 @@ class Model:
         self.findings: list[Finding] = []
         self.checks: Counter[str] = Counter()
         self.restarts: list[float] = []
+        self.replaced_at = -math.inf  # when the data directory was last replaced (a bricked server)
         self.now = 0.0
         # State that operations keep for themselves (subscriptions, ...), by operation family.
         self.extra: dict[str, object] = {}
@@ -414,12 +416,14 @@ class Model:
             if inc is None:
                 out.add(state)
                 continue
+            # An expired stream is deleted like any other: soft-deleted while forks read it.
+            expired = [ABSENT, state._replace(soft=True)] if inc.forks else [ABSENT]
             if inc.surely_expired_at(start):
-                out.add(ABSENT)
+                out.update(expired)
                 continue
             out.add(state)
             if inc.maybe_expired_by(end):
-                out.add(ABSENT)
+                out.update(expired)
             if state.soft and all(self.maybe_gone(f, end) for f in inc.forks):
                 out.add(ABSENT)  # the last fork may have gone: the source may be reaped (later)
         return out
@@ -626,6 +630,7 @@ class Model:
         ended: OpEnded,
         what: str,
         since: float | None = None,
+        kind: str = "tail-went-back",
     ) -> None:
         """An answer that reports `tail` as the stream's tail (an ack, an up-to-date read, a HEAD):
         it may not be below a tail reached by an answer that ended before this operation began,
@@ -635,7 +640,7 @@ class Model:
         self.check(
             "tail-floor",
             tail >= floor,
-            "tail-went-back",
+            kind,
             f"{inc.label()}: {what} reported {tail} as the tail, but an answer that ended before it "
             f"began had reached {floor}: acknowledged or shown data is gone, or the answer is stale",
             [started.id, floor_event],
@@ -788,6 +793,10 @@ class Model:
                 [fault.id],
             )
         if fault.kind == "crash":
+            # A probe that found no server just before is this same exit, noticed first.
+            self.findings = [
+                f for f in self.findings if not (f.kind == "server-down" and f.time >= fault.time - 2.0)
+            ]
             self.finding(
                 "server-exit",
                 f"the server exited on its own: {last_error(str(fault.detail.get('output', '')))}",
@@ -825,6 +834,7 @@ class Model:
         for record in self.names.values():
             record.add(Change(fault.time, fault.time, frozenset({ABSENT}), fault.id))
         self.extra.pop("subs", None)
+        self.replaced_at = fault.time
 
     def _rewind(self, time: float, window: float, event: int) -> None:
         """A fault the contract lets take back the last `window` seconds of acknowledged writes:
@@ -883,7 +893,9 @@ class Model:
                 continue
             self._parse(inc)
             known = inc.seen.known_end(inc.base)
-            complete = inc.last_tail > inc.base and known >= inc.last_tail and not inc.replaced
+            # Judged against the final full read (what the stream holds at the end): every
+            # acknowledged append must be in it.
+            complete = inc.final_read is not None and known >= inc.final_read[0] and not inc.replaced
             if complete:
                 for append in {a for a in self.appends.values() if a.name == inc.name}:
                     promised = (append.acked is not None and append.acked[0] is inc) or any(
@@ -891,13 +903,14 @@ class Model:
                     )
                     if not promised or append.may_be_lost:
                         continue
+                    assert inc.final_read is not None
                     self.check(
                         "acked-present",
                         append.found is not None and append.found[0] is inc,
                         "lost-append",
                         f"{inc.label()}: append {append.key} was acknowledged but the stream, read to its "
-                        f"end ({inc.last_tail}), does not hold it",
-                        [append.acked[3] if append.acked else append.attempts[-1]],
+                        f"end ({inc.final_read[0]}) at the end of the run, does not hold it",
+                        [append.acked[3] if append.acked else append.attempts[-1], inc.final_read[1]],
                     )
             self._check_order(inc)
 

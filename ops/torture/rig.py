@@ -81,9 +81,9 @@ class Disk:
         return self.kind in ("tmpfs", "ext4")
 
     def fill(self, rng: random.Random) -> int:
-        """Fills the disk with ballast, leaving nothing or a few KiB (so writes come up short);
-        returns the bytes left free."""
-        leave = rng.choice((0, 0, 2048, 6000))
+        """Fills the disk with ballast, leaving nothing or a few pages, so the next appends fit,
+        then one comes up short, then none fits; returns the bytes left free."""
+        leave = rng.choice((0, 4096, 16384, 65536))
         block = b"\0" * (1 << 20)
         with open(self.ballast, "ab") as out:
             while True:
@@ -306,7 +306,7 @@ class Server:
     def open_fds(self) -> dict[str, Any]:
         """The server's descriptors: how many, and which point at deleted files."""
         pid = self.pid
-        out: dict[str, Any] = {"total": 0, "deleted": []}
+        out: dict[str, Any] = {"pid": pid, "total": 0, "deleted": []}
         if pid is None:
             return out
         base = Path(f"/proc/{pid}/fd")
@@ -321,7 +321,7 @@ class Server:
             except OSError:
                 continue
             if target.endswith(" (deleted)") or "/trash/" in target:
-                out["deleted"].append(target)
+                out["deleted"].append(f"{entry.name} {target}")
         return out
 
 

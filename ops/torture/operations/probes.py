@@ -40,23 +40,38 @@ class Healthz(Operation):
 
 @register
 class FdProbe(Operation):
-    """The server's open descriptors at a quiet moment (no request in flight): none may point at a
-    deleted file. The outcome body is {"total": n, "deleted": [paths]}."""
+    """The server's open descriptors (from /proc), probed every few seconds and once at a quiet
+    moment at the end. A descriptor may point at a deleted file for a moment (a read in flight
+    while its stream is deleted), never for long: one still open `HELD` seconds later in the same
+    process, or any at the quiet moment, is a leak. The outcome body is
+    {"pid": n, "total": n, "deleted": ["<fd> <path>", ...]}; params {"quiet": bool}."""
 
     kind = "fd_probe"
     from_server = False
+    HELD = 8.0
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
         try:
             found = json.loads(ended.outcome.body)
         except ValueError:
             return
-        deleted = found.get("deleted", [])
+        deleted = list(found.get("deleted", []))
+        seen: dict[tuple[int, str], tuple[float, int]] = model.extra.setdefault("deleted_fds", {})  # type: ignore[assignment]
+        pid = int(found.get("pid", 0))
+        held = []
+        for entry in deleted:
+            first = seen.setdefault((pid, entry), (started.time, started.id))
+            if started.time - first[0] >= self.HELD:
+                held.append((entry, first[1]))
+        for key in [k for k in seen if k[0] == pid and k[1] not in deleted]:
+            del seen[key]
+        quiet = bool(started.params.get("quiet"))
+        leaked = deleted if quiet else [entry for entry, _ in held]
         model.check(
             "fd-leak",
-            not deleted,
+            not leaked,
             "fd-leak",
-            f"{len(deleted)} of the server's {found.get('total')} open descriptors point at deleted files "
-            f"at a quiet moment, e.g. {deleted[:3]}",
-            [started.id],
+            f"server {pid}: {len(leaked)} of its {found.get('total')} open descriptors point at deleted "
+            f"files {'at a quiet moment' if quiet else f'for {self.HELD:g} s or more'}, e.g. {leaked[:3]}",
+            [started.id] + [event for _, event in held[:3]],
         )

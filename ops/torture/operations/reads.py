@@ -213,8 +213,12 @@ class _Read(Operation):
             )
             if end - start == len(data):
                 model.observe(inc, start, data, started.id)
+            if (chunk.up_to_date or chunk.closed) and started.params.get("final"):
+                inc.final_read = (end, started.id)  # the end-of-run read that reached the tail
             if chunk.up_to_date or chunk.closed:
-                model.tail_floor(inc, end, started, ended, started.op, since=since)
+                # Data ending below a tail already reached, called up to date: stale (or lost).
+                kind = "stale-up-to-date" if data else "tail-went-back"
+                model.tail_floor(inc, end, started, ended, started.op, since=since, kind=kind)
                 judge_closed_report(model, started, ended, states, inc, end, chunk.closed)
             position = end
             since = chunk.time

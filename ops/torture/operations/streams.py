@@ -231,28 +231,28 @@ class Fork(Operation):
         source_states = model.states(p["source"], started.time, ended.time)
         target_states = model.states(name, started.time, ended.time)
         offset = parse_token(p["offset"]) if p["offset"] else None
+        # The server looks at the target path first (an existing stream there answers 200 or 409
+        # whatever the source), then at the source.
         allowed: set[int] = set()
-        if any(t.soft for t in target_states):
-            allowed.add(409)  # the path still holds a deleted stream its forks read
-        for src in source_states:
+        target_free = False
+        for tgt in target_states:
+            if tgt.inc is None:
+                target_free = True
+            elif tgt.soft:
+                allowed.add(409)  # the path still holds a deleted stream its forks read
+            else:
+                allowed.update((200, 409))
+        for src in source_states if target_free else ():
             if src.inc is None:
                 allowed.add(404)
-                continue
-            if src.soft:
+            elif src.soft:
                 allowed.add(409)
-                continue
-            for tgt in target_states:
-                if tgt.inc is not None:
-                    allowed.update((200, 409))
-                    if not tgt.inc.maybe_expired_by(ended.time):
-                        continue
+            else:
                 allowed.add(201)
                 if p["sub_offset"]:
                     allowed.add(400)  # the sub-offset may pass the end of the append there
                 if offset is not None and offset[0] not in {i.number for i in src.inc.chain()}:
                     allowed.update((400, 410))  # a token of an earlier incarnation
-                if src.inc.maybe_expired_by(ended.time):
-                    allowed.add(404)
         expect_status(model, started, ended, allowed, source_states | target_states)
         sources = [s.inc for s in source_states if s.inc is not None and not s.soft]
         if offset is not None:

@@ -30,6 +30,11 @@ class SubState:
     floors: dict[tuple[str, int], list[tuple[float, int, int]]] = field(default_factory=dict)
 
 
+def before_replacement(model: Model, started: OpStarted) -> bool:
+    """Subscription answers from before the data directory was replaced belong to another world."""
+    return started.time < model.replaced_at
+
+
 def subs(model: Model) -> dict[str, SubState]:
     return model.extra.setdefault("subs", {})  # type: ignore[return-value]
 
@@ -43,6 +48,8 @@ def sub_config(sub_id: str, view: ClientView) -> dict[str, Any]:
 def judge_generation(
     model: Model, started: OpStarted, ended: OpEnded, sub_id: str, generation: int, wake_id: str
 ) -> None:
+    if before_replacement(model, started):
+        return
     state = subs(model).setdefault(sub_id, SubState())
     before = [g for g in state.generations if g[0] < started.time]
     if before:
@@ -67,6 +74,8 @@ def judge_generation(
 
 def judge_cursors(model: Model, started: OpStarted, sub_id: str, streams: list[dict[str, Any]]) -> None:
     """A subscription's cursors never go back below an ack answered before this began."""
+    if before_replacement(model, started):
+        return
     state = subs(model).setdefault(sub_id, SubState())
     for link in streams:
         acked = parse_token(link.get("acked_offset"))
@@ -111,6 +120,8 @@ class SubPut(Operation):
             ctx.view.sub_confirmed.add(planned.params["sub"])
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
+        if before_replacement(model, started):
+            return
         sub_id, status = started.params["sub"], ended.outcome.status
         state = subs(model).setdefault(sub_id, SubState())
         if status == 201 and state.confirmed_at is not None and state.confirmed_at < started.time:
@@ -155,6 +166,8 @@ class SubClaim(Operation):
                 pass
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
+        if before_replacement(model, started):
+            return
         if ended.outcome.status != 200:
             return
         try:
@@ -206,6 +219,8 @@ class SubAck(Operation):
         ctx.view.claims.pop(ctx.worker, None)
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
+        if before_replacement(model, started):
+            return
         if ended.outcome.status != 200:
             return
         state = subs(model).setdefault(started.params["sub"], SubState())
@@ -233,6 +248,8 @@ class SubGet(Operation):
         return Planned(self.kind, None, {"sub": sub_id}, Call("GET", SUBS + sub_id))
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
+        if before_replacement(model, started):
+            return
         sub_id = started.params["sub"]
         state = subs(model).setdefault(sub_id, SubState())
         if (
