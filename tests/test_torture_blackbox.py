@@ -89,6 +89,10 @@ def test_every_operation_kind_ran(results: list[Result]) -> None:
         assert checks[check] > 0, f"the checker never checked {check}"
 
 
+def test_segments_reached_the_bucket(results: list[Result]) -> None:
+    assert results[0].cold_objects > 0, "no segment was sealed (by size, count or age) and uploaded"
+
+
 @pytest.mark.xfail(
     strict=False,
     reason="today's server fails these runs (issue 11 and ops/torture/FINDINGS.md): a full disk loses "

@@ -348,3 +348,32 @@ def test_a_history_survives_a_dump_and_is_judged_the_same(tmp_path: Path) -> Non
     loaded: list[Event] = events
     assert [f.kind for f in check_history(loaded).findings] == s.check() == ["stale-up-to-date"]
     assert to_text(b"\xff\x00") == "\xff\x00"
+
+
+def test_a_404_for_a_stream_that_surely_exists_is_reported() -> None:
+    s = three_appends()
+    s.append("txt/0", "w0.4", 404)
+    assert "wrong-status" in s.check()
+
+
+def test_a_stream_reported_closed_that_nobody_closed_is_reported() -> None:
+    s = three_appends()
+    headers = {"stream-next-offset": tok(A, 24), "stream-up-to-date": "true", "stream-closed": "true"}
+    call = Call("GET", "/v1/stream/txt/0", query={"offset": tok(A, 24)})
+    s.op("read", "txt/0", call, Outcome(200, headers, ""), {"offset": tok(A, 24)})
+    assert "closed-without-close" in s.check()
+
+
+def test_an_up_to_date_answer_behind_the_tail_is_reported() -> None:
+    s = three_appends()
+    s.read("txt/0", tok(A, 8), rec("w0.2"), A, 16)  # says up to date; w0.3 was acknowledged before
+    assert s.check() == ["stale-up-to-date"]
+
+
+def test_an_append_that_never_finished_its_body_must_not_appear() -> None:
+    s = three_appends()
+    params = {"record": "w0.4", "stored": rec("w0.4"), "record_ids": ["w0.4"]}
+    call = Call("POST", "/v1/stream/txt/0", body=rec("w0.4"), mode="cut_body")
+    s.op("vanish_append", "txt/0", call, Outcome(None, error="body_cut"), params)
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2") + rec("w0.3") + rec("w0.4"), A, 32)
+    assert "failed-append-present" in s.check()

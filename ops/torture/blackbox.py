@@ -79,6 +79,7 @@ class Result:
     elapsed: float
     dumped: Path | None = None
     server_output: str = ""
+    cold_objects: int = 0  # most objects seen in the bucket at once (segments uploaded)
 
 
 @dataclass
@@ -136,6 +137,7 @@ class Run:
         self.dead = False  # the server would not start again: the run ends early
         self.bricks = 0
         self.disk_full = False
+        self.cold_objects = 0
         self.crashes: list[float] = []
         self._fed = 0
 
@@ -383,6 +385,7 @@ class Run:
             (self.s3.start if kind == "s3_stop" else self.s3.thaw)()
             self.history.fault("s3_start" if kind == "s3_stop" else "s3_thaw")
         elif kind == "s3_wipe" and self.s3 is not None:
+            self.cold_objects = max(self.cold_objects, self.s3.count_objects())
             self.history.fault(kind)
             self.s3.wipe()
 
@@ -425,6 +428,9 @@ class Run:
             self.expect_down = False
         if not started:
             return
+        # The probe goes on during the reads: a server that exits now is found and started again.
+        probe = threading.Thread(target=self.probe, daemon=True)
+        probe.start()
         transport = HttpTransport(self.server.url, self.history.clock, timeout=30)
         ctx = GenContext("final", random.Random(0), self.view)
         try:
@@ -441,14 +447,25 @@ class Run:
                 )
         finally:
             transport.close()
+            self.stop.set()
+            probe.join(10)
 
     def read_all(self, transport: HttpTransport, name: str, ctx: GenContext) -> None:
-        offset, unavailable = "-1", 0
+        """Reads a stream from its start to its tail (the final read the checker judges the
+        whole run by), waiting out a server restart or a cold tier catching up, a little."""
+        offset, down, unavailable = "-1", 0, 0
         for _ in range(2000):
+            if self.dead:
+                return
             call = Call("GET", f"/v1/stream/{name}", query={"offset": offset})
             params = {"offset": offset, "final": True}
             outcome = self.execute(transport, "final", Planned("read", name, params, call), ctx)
-            if outcome.status in (503, None) and unavailable < 20:
+            if outcome.status is None and down < 5:
+                down += 1
+                self.up.wait(30)  # the probe notices an exit and starts the server again
+                time.sleep(0.5)
+                continue
+            if outcome.status == 503 and unavailable < 5:
                 unavailable += 1
                 time.sleep(1)
                 continue
@@ -489,6 +506,8 @@ class Run:
                 thread.join(60)
             self.stop.clear()
             self.undo_faults()
+            if self.s3 is not None:
+                self.cold_objects = max(self.cold_objects, self.s3.count_objects())
             if not self.dead:
                 self.final()
             self.stop.set()
@@ -509,6 +528,7 @@ class Run:
 
             summary.findings.append(Finding("checker-error", self.checker_error[-1500:], [], 0.0))
         result = Result(self.options, summary, time.monotonic() - began_wall, server_output=output)
+        result.cold_objects = self.cold_objects
         if summary.findings:
             self.options.dump_dir.mkdir(parents=True, exist_ok=True)
             result.dumped = (
@@ -561,6 +581,8 @@ def format_summary(result: Result) -> str:
         verdicts[verdict] = verdicts.get(verdict, 0) + n
     lines.append("outcomes: " + ", ".join(f"{k} {n}" for k, n in sorted(verdicts.items())))
     lines.append("faults: " + ", ".join(f"{k} {n}" for k, n in sorted(s.faults.items())))
+    if o.cold:
+        lines.append(f"cold tier: up to {result.cold_objects} objects in the bucket at once")
     lines.append("checks: " + ", ".join(f"{k} {n}" for k, n in sorted(s.checks.items())))
     counted = ", ".join(f"{k} {n}" for k, n in sorted(s.occurrences.items()))
     lines.append(f"findings: {len(s.findings)}" + (f" (occurrences: {counted})" if counted else ""))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,11 +226,3 @@ def event_from_dict(raw: dict[str, Any]) -> Event:
     if kind == "fault":
         return Fault(raw["id"], raw["kind"], raw["time"], raw.get("detail", {}))
     raise ValueError(f"unknown event type {kind!r}")
-
-
-def iter_ops(events: Iterable[Event]) -> Iterator[tuple[OpStarted, OpEnded | None]]:
-    """Each operation with its end (None if it never ended)."""
-    ends = {e.id: e for e in events if isinstance(e, OpEnded)}
-    for event in events:
-        if isinstance(event, OpStarted):
-            yield event, ends.get(event.id)

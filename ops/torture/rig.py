@@ -248,6 +248,26 @@ class S3:
         self._kill_moto()
         self.start_moto()
 
+    def count_objects(self) -> int:
+        """Objects in the bucket now (straight from moto, past the proxy): proof that segments
+        were sealed and uploaded. -1 when moto does not answer (frozen, or restarting)."""
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{self.moto_port}",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+            config=Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}),
+        )
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket="torture")
+            return sum(len(page.get("Contents", [])) for page in pages)
+        except Exception:
+            return -1
+
     def _kill_moto(self) -> None:
         if self.process is not None:
             if self.frozen:

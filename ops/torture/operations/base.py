@@ -181,10 +181,6 @@ def expect_status(
     )
 
 
-def live_states(states: set[State]) -> list[State]:
-    return [s for s in states if s.inc is not None and not s.soft]
-
-
 def touch(
     model: Model, started: OpStarted, ended: OpEnded, states: set[State], inc: Incarnation | None, write: bool
 ) -> None:
@@ -257,10 +253,6 @@ def judge_closed_report(
             "at its tail does not say so",
             [started.id] + ([inc.final_tail[1]] if inc.final_tail else []),
         )
-
-
-def stream_params(name: str, view: ClientView) -> str:
-    return view.streams[name].content_type
 
 
 def record_for(ctx: GenContext, content_type: str, batch: int = 1) -> tuple[str, bytes, bytes, list[str]]:
