@@ -380,6 +380,7 @@ class Model:
         self.extra: dict[str, object] = {}
         self._finding_keys: set[tuple[str, str]] = set()
         self.occurrences: Counter[str] = Counter()
+        self.recent_down = 0  # failed health probes not yet explained by a fault
 
     # ---- findings ------------------------------------------------------------------------
 
@@ -794,6 +795,7 @@ class Model:
             )
         if fault.kind == "crash":
             # A probe that found no server just before is this same exit, noticed first.
+            self.occurrences["server-down"] -= self.recent_down
             self.findings = [
                 f for f in self.findings if not (f.kind == "server-down" and f.time >= fault.time - 2.0)
             ]

@@ -21,6 +21,9 @@ class Healthz(Operation):
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
         outcome = ended.outcome
         if outcome.status is None:
+            # Counted until a "crash" event explains it (the probe notices an exit first).
+            explained = model.server_down(started.time, ended.time)
+            model.recent_down = 0 if explained else model.recent_down + 1
             model.check(
                 "server-up",
                 model.server_down(started.time, ended.time),
@@ -29,6 +32,7 @@ class Healthz(Operation):
                 [started.id],
             )
             return
+        model.recent_down = 0
         model.check(
             "healthz-ok",
             outcome.status == 200 and outcome.body == "ok",
