@@ -9,7 +9,8 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart \
-	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean
+	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean \
+	torture
 
 venv: $(VENV_STAMP)
 
@@ -105,6 +106,14 @@ soak: $(VENV_STAMP)
 ## The kill -9 crash test on its own (it also runs inside `make unit`).
 crash-test: $(VENV_STAMP)
 	$(PY) -m ops.crash_test --kills 20
+
+## Torture (issue 11): DURATION minutes (default 30) of seeded black-box runs, 2 minutes each, across
+## fsync modes, disks (tmpfs, ext4 loop image, plain) and the cold tier on and off. Needs root (mounts).
+## Exit status 1 on any finding; each failing run prints the command that replays it.
+DURATION ?= 30
+SEED ?= 1
+torture: $(VENV_STAMP)
+	$(PY) -m ops.torture blackbox --matrix --total-minutes $(DURATION) --duration 120 --seed $(SEED)
 
 clean:
 	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache

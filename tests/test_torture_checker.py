@@ -1,0 +1,379 @@
+"""The torture checker on hand-made histories: each violation it exists for must be reported, and a
+history without one must pass (so the black box's "no findings" means something)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ops.torture.checker import check_history
+from ops.torture.history import AMBIGUOUS, Call, Chunk, Event, History, Outcome, classify, to_text
+from ops.torture.model import RunConfig
+
+TEXT = {"Content-Type": "text/plain"}
+A, B = 101, 202  # incarnation numbers
+
+
+def tok(inc: int, position: int) -> str:
+    return f"{inc:016d}_{position:016d}"
+
+
+def rec(record_id: str, fill: str = "xx") -> str:
+    return f"{record_id}:{fill};"
+
+
+class Script:
+    """Builds a history with explicit times: each operation takes one time unit unless told."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.history = History(clock=lambda: self.clock)
+
+    def op(
+        self,
+        op: str,
+        name: str | None,
+        call: Call,
+        outcome: Outcome,
+        params: dict | None = None,
+        *,
+        at: float | None = None,
+        took: float = 1.0,
+    ) -> int:
+        if at is not None:
+            self.clock = at
+        started = self.history.start(op, "w0", name, params or {}, call)
+        self.clock += took
+        if outcome.verdict == AMBIGUOUS and outcome.status is not None:
+            pass
+        outcome.verdict = classify(outcome.status, outcome.error)
+        self.history.end(started, outcome)
+        self.clock += 0.1
+        return started.id
+
+    def fault(self, kind: str, *, at: float | None = None) -> None:
+        if at is not None:
+            self.clock = at
+        self.history.fault(kind)
+        self.clock += 0.1
+
+    def create(self, name: str, inc: int, status: int = 201, **kw: object) -> int:
+        params = {"content_type": "text/plain", "ttl": None, "expires_at": None, "closed": False}
+        headers = {"stream-next-offset": tok(inc, 0)} if status in (200, 201) else {}
+        return self.op(
+            "create",
+            name,
+            Call("PUT", f"/v1/stream/{name}", headers=TEXT),
+            Outcome(status, headers),
+            params,
+            **kw,
+        )  # type: ignore[arg-type]
+
+    def append(
+        self,
+        name: str,
+        record_id: str,
+        status: int | None,
+        inc: int = A,
+        end: int | None = None,
+        **kw: object,
+    ) -> int:
+        body = rec(record_id)
+        params = {"record": record_id, "stored": body, "record_ids": [record_id]}
+        headers = {"stream-next-offset": tok(inc, end)} if end is not None else {}
+        outcome = Outcome(status, headers, error=None if status else "timeout")
+        return self.op(
+            "append", name, Call("POST", f"/v1/stream/{name}", headers=TEXT, body=body), outcome, params, **kw
+        )  # type: ignore[arg-type]
+
+    def produce(
+        self,
+        name: str,
+        record_id: str,
+        seq: int,
+        status: int | None,
+        end: int | None,
+        inc: int = A,
+        **kw: object,
+    ) -> int:
+        body = rec(record_id)
+        params = {
+            "record": record_id,
+            "stored": body,
+            "record_ids": [record_id],
+            "producer": ["p", 0, seq],
+            "content_type": "text/plain",
+            "body": body,
+        }
+        headers = {"producer-epoch": "0", "producer-seq": str(seq)}
+        if end is not None:
+            headers["stream-next-offset"] = tok(inc, end)
+        outcome = Outcome(status, headers, error=None if status else "closed")
+        return self.op("produce", name, Call("POST", f"/v1/stream/{name}", body=body), outcome, params, **kw)  # type: ignore[arg-type]
+
+    def read(
+        self,
+        name: str,
+        offset: str,
+        body: str,
+        inc: int,
+        end: int,
+        status: int = 200,
+        up_to_date: bool = True,
+        final: bool = False,
+        **kw: object,
+    ) -> int:
+        headers = {"stream-next-offset": tok(inc, end), "content-type": "text/plain"}
+        if up_to_date:
+            headers["stream-up-to-date"] = "true"
+        call = Call("GET", f"/v1/stream/{name}", query={"offset": offset, "final": final})
+        return self.op(
+            "read", name, call, Outcome(status, headers, body), {"offset": offset, "final": final}, **kw
+        )  # type: ignore[arg-type]
+
+    def delete(self, name: str, status: int = 204, **kw: object) -> int:
+        return self.op("delete", name, Call("DELETE", f"/v1/stream/{name}"), Outcome(status), **kw)  # type: ignore[arg-type]
+
+    def check(self, config: RunConfig | None = None) -> list[str]:
+        summary = check_history(list(self.history.events), config)
+        return [f.kind for f in summary.findings]
+
+
+def three_appends() -> Script:
+    s = Script()
+    s.create("txt/0", A)
+    s.append("txt/0", "w0.1", 204, end=8)
+    s.append("txt/0", "w0.2", 204, end=16)
+    s.append("txt/0", "w0.3", 204, end=24)
+    return s
+
+
+def test_a_clean_history_has_no_findings() -> None:
+    s = three_appends()
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2"), A, 16, up_to_date=False)
+    s.read("txt/0", tok(A, 16), rec("w0.3"), A, 24)
+    s.op(
+        "head",
+        "txt/0",
+        Call("HEAD", "/v1/stream/txt/0"),
+        Outcome(200, {"stream-next-offset": tok(A, 24), "content-type": "text/plain"}),
+    )
+    assert s.check() == []
+
+
+def test_a_lost_acknowledged_append_is_reported() -> None:
+    s = three_appends()
+    s.fault("kill")
+    s.fault("restart")
+    s.op(
+        "head",
+        "txt/0",
+        Call("HEAD", "/v1/stream/txt/0"),
+        Outcome(200, {"stream-next-offset": tok(A, 16), "content-type": "text/plain"}),
+    )
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2"), A, 16, final=True)  # the third is gone
+    found = s.check()
+    assert "tail-went-back" in found and "lost-append" in found
+
+
+def test_a_lost_append_is_reported_even_when_the_tail_looks_right() -> None:
+    s = three_appends()
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.9") + rec("w0.3"), A, 24)  # w0.2 replaced
+    found = s.check()
+    assert "ack-not-at-position" in found and "foreign-bytes" in found
+
+
+def test_a_duplicate_is_reported() -> None:
+    s = three_appends()
+    s.append("txt/0", "w0.4", None)  # ambiguous: at most once
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2") + rec("w0.3") + rec("w0.4") + rec("w0.4"), A, 40)
+    assert "duplicate" in s.check()
+
+
+def test_an_ambiguous_append_may_land_once_or_not_at_all() -> None:
+    for body, end in ((rec("w0.4"), 32), ("", 24)):
+        s = three_appends()
+        s.append("txt/0", "w0.4", None)
+        s.read("txt/0", "-1", rec("w0.1") + rec("w0.2") + rec("w0.3") + body, A, end)
+        assert s.check() == []
+
+
+def test_a_failed_append_that_shows_up_is_reported() -> None:
+    s = three_appends()
+    s.append("txt/0", "w0.4", 409)  # definitely failed (and wrong for an open stream too)
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2") + rec("w0.3") + rec("w0.4"), A, 32)
+    assert "failed-append-present" in s.check()
+
+
+def test_a_read_from_the_wrong_incarnation_is_reported() -> None:
+    s = three_appends()
+    s.delete("txt/0")
+    s.create("txt/0", B)
+    s.append("txt/0", "w0.5", 204, inc=B, end=8)
+    # A reader resuming with a token of the deleted incarnation must get 410, never B's data.
+    s.read("txt/0", tok(A, 0), rec("w0.5"), B, 8)
+    assert "wrong-incarnation" in s.check()
+
+
+def test_data_of_a_deleted_incarnation_is_reported() -> None:
+    s = three_appends()
+    s.delete("txt/0")
+    s.create("txt/0", B)
+    s.read("txt/0", "-1", rec("w0.1"), A, 8, up_to_date=False)  # the old stream's bytes
+    assert "wrong-incarnation" in s.check()
+
+
+def test_a_500_is_reported() -> None:
+    s = three_appends()
+    s.op(
+        "append",
+        "txt/0",
+        Call("POST", "/v1/stream/txt/0", body=rec("w0.4")),
+        Outcome(500, body='{"error":{}}'),
+        {"record": "w0.4", "stored": rec("w0.4"), "record_ids": ["w0.4"]},
+    )
+    assert "500" in s.check()
+
+
+def test_an_out_of_order_offset_is_reported() -> None:
+    s = three_appends()
+    chunks = [
+        Chunk(10.0, rec("w0.1"), tok(A, 8), False, False),
+        Chunk(10.1, rec("w0.2"), tok(A, 4), False, False),  # went backwards
+    ]
+    s.op(
+        "sse",
+        "txt/0",
+        Call("GET", "/v1/stream/txt/0", query={"offset": "-1", "live": "sse"}, mode="sse"),
+        Outcome(200, {}, chunks=chunks),
+        {"offset": "-1"},
+    )
+    assert "offset-order" in s.check()
+
+
+def test_appends_stored_against_real_time_order_are_reported() -> None:
+    s = Script()
+    s.create("txt/0", A)
+    s.append("txt/0", "w0.1", 204, end=8)
+    s.append("txt/0", "w0.2", None)  # sent after w0.1 was acknowledged, ambiguous
+    s.read("txt/0", "-1", rec("w0.2") + rec("w0.1"), A, 16)  # yet stored first
+    found = s.check()
+    assert "ack-not-at-position" in found or "order" in found
+
+
+def test_a_503_needs_a_fault() -> None:
+    error = json.dumps(
+        {"error": {"code": "storage_unavailable", "message": "Bad file descriptor; retry shortly"}}
+    )
+    s = three_appends()
+    s.op(
+        "append",
+        "txt/0",
+        Call("POST", "/v1/stream/txt/0"),
+        Outcome(503, body=error),
+        {"record": "w0.4", "stored": rec("w0.4"), "record_ids": ["w0.4"]},
+    )
+    assert "unexplained-503" in s.check()
+    s = three_appends()
+    s.fault("disk_full")
+    s.op(
+        "append",
+        "txt/0",
+        Call("POST", "/v1/stream/txt/0"),
+        Outcome(503, body=error),
+        {"record": "w0.4", "stored": rec("w0.4"), "record_ids": ["w0.4"]},
+    )
+    s.fault("disk_freed")
+    assert s.check() == []
+
+
+def test_the_server_must_answer_health_probes_unless_killed() -> None:
+    s = Script()
+    s.op("healthz", None, Call("GET", "/healthz"), Outcome(None, error="refused"))
+    assert s.check() == ["server-down"]
+    s = Script()
+    s.fault("kill")
+    s.op("healthz", None, Call("GET", "/healthz"), Outcome(None, error="refused"))
+    s.fault("restart")
+    s.op("healthz", None, Call("GET", "/healthz"), Outcome(200, body="ok"), at=5.0)
+    assert s.check() == []
+
+
+def test_producer_retries_are_exactly_once() -> None:
+    s = Script()
+    s.create("txt/0", A)
+    s.produce("txt/0", "w0.1", 0, None, None)  # lost in a kill
+    s.produce("txt/0", "w0.1", 0, 204, 8)  # the retry: a duplicate, so the first landed
+    s.produce("txt/0", "w0.2", 1, 200, 16)
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2"), A, 16)
+    assert s.check() == []
+    s = Script()
+    s.create("txt/0", A)
+    s.produce("txt/0", "w0.1", 0, 204, 0)  # a duplicate of something never sent
+    assert "phantom-duplicate" in s.check()
+    s = Script()
+    s.create("txt/0", A)
+    s.produce("txt/0", "w0.1", 0, None, None)
+    s.produce("txt/0", "w0.1", 0, 200, 16)  # answered as new data although the first landed
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.1"), A, 16)
+    assert "duplicate" in s.check()
+
+
+def test_durability_follows_the_fsync_contract() -> None:
+    def lost_in_power_cut() -> Script:
+        s = Script()
+        s.create("txt/0", A)
+        s.append("txt/0", "w0.1", 204, end=8, at=1.0)
+        s.append("txt/0", "w0.2", 204, end=16, at=9.5)  # just before the cut
+        s.fault("power_cut", at=10.0)
+        s.fault("restart", at=10.5)
+        s.read("txt/0", "-1", rec("w0.1"), A, 8, at=11.0, final=True)
+        return s
+
+    assert lost_in_power_cut().check(RunConfig(fsync="interval", fsync_interval=1.0)) == []
+    assert "lost-append" in lost_in_power_cut().check(RunConfig(fsync="always"))
+
+
+def test_bytes_no_client_sent_are_reported() -> None:
+    s = three_appends()
+    s.read("txt/0", tok(A, 24), "garbage;", A, 32)
+    assert "foreign-bytes" in s.check()
+
+
+def test_a_history_survives_a_dump_and_is_judged_the_same(tmp_path: Path) -> None:
+    s = three_appends()
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2"), A, 16)
+    s.history.dump(tmp_path / "h.jsonl")
+    _, events = History.load(tmp_path / "h.jsonl")
+    loaded: list[Event] = events
+    assert [f.kind for f in check_history(loaded).findings] == s.check() == ["stale-up-to-date"]
+    assert to_text(b"\xff\x00") == "\xff\x00"
+
+
+def test_a_404_for_a_stream_that_surely_exists_is_reported() -> None:
+    s = three_appends()
+    s.append("txt/0", "w0.4", 404)
+    assert "wrong-status" in s.check()
+
+
+def test_a_stream_reported_closed_that_nobody_closed_is_reported() -> None:
+    s = three_appends()
+    headers = {"stream-next-offset": tok(A, 24), "stream-up-to-date": "true", "stream-closed": "true"}
+    call = Call("GET", "/v1/stream/txt/0", query={"offset": tok(A, 24)})
+    s.op("read", "txt/0", call, Outcome(200, headers, ""), {"offset": tok(A, 24)})
+    assert "closed-without-close" in s.check()
+
+
+def test_an_up_to_date_answer_behind_the_tail_is_reported() -> None:
+    s = three_appends()
+    s.read("txt/0", tok(A, 8), rec("w0.2"), A, 16)  # says up to date; w0.3 was acknowledged before
+    assert s.check() == ["stale-up-to-date"]
+
+
+def test_an_append_that_never_finished_its_body_must_not_appear() -> None:
+    s = three_appends()
+    params = {"record": "w0.4", "stored": rec("w0.4"), "record_ids": ["w0.4"]}
+    call = Call("POST", "/v1/stream/txt/0", body=rec("w0.4"), mode="cut_body")
+    s.op("vanish_append", "txt/0", call, Outcome(None, error="body_cut"), params)
+    s.read("txt/0", "-1", rec("w0.1") + rec("w0.2") + rec("w0.3") + rec("w0.4"), A, 32)
+    assert "failed-append-present" in s.check()
