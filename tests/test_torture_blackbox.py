@@ -93,13 +93,6 @@ def test_segments_reached_the_bucket(results: list[Result]) -> None:
     assert results[0].cold_objects > 0, "no segment was sealed (by size, count or age) and uploaded"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="today's server fails these runs (issue 11 and ops/torture/FINDINGS.md): a full disk loses "
-    "acknowledged appends after a crash (short writes acknowledged); a full disk ends the server "
-    "(subscription state saves); appends racing DELETE get 503 (No such file or directory); "
-    "age-sealing a segment of zero-byte records ends the server for good; and more",
-)
 def test_no_findings(results: list[Result]) -> None:
     findings = [f"{r.options.replay()}: {f}" for r in results for f in r.summary.findings]
     assert not findings, "\n".join(findings)
