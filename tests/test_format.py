@@ -60,6 +60,9 @@ def v1_world(tmp_path: Path, moto: Moto) -> Path:
     """The fixture's data directory copied to `tmp_path`, and its objects put in moto."""
     data = tmp_path / "data"
     shutil.copytree(FIXTURE / "data", data)
+    # git keeps no empty directories; version 1 always had these two
+    for empty in ("trash", "subscriptions"):
+        (data / empty).mkdir(exist_ok=True)
     client = s3(moto)
     client.create_bucket(Bucket="archive")
     metadata = json.loads((FIXTURE / "bucket-metadata.json").read_text())
