@@ -92,7 +92,10 @@ def verdict(samples: list[Sample]) -> tuple[bool, str]:
     fds_mid, fds_last = statistics.median(s.fds for s in middle), statistics.median(s.fds for s in last)
     if fds_last > max(fds_mid * 1.10, fds_mid + 8):
         reasons.append(f"descriptors grew from a median of {fds_mid:.0f} to {fds_last:.0f}")
-    rss_mid, rss_last = statistics.median(s.rss_kib for s in middle), statistics.median(s.rss_kib for s in last)
+    rss_mid, rss_last = (
+        statistics.median(s.rss_kib for s in middle),
+        statistics.median(s.rss_kib for s in last),
+    )
     if rss_last > rss_mid * 1.10:
         reasons.append(f"RSS grew from a median of {rss_mid / 1024:.1f} MiB to {rss_last / 1024:.1f} MiB")
     deleted = max(s.deleted_fds for s in last)
@@ -130,7 +133,12 @@ class Churn:
                         body = rng.randbytes(rng.randint(10, 4000)).hex().encode()
                         response = client.post(name, content=body, headers=T)
                     else:
-                        producer = {**T, "Producer-Id": f"w{number}", "Producer-Epoch": "0", "Producer-Seq": str(seqs[name])}
+                        producer = {
+                            **T,
+                            "Producer-Id": f"w{number}",
+                            "Producer-Epoch": "0",
+                            "Producer-Seq": str(seqs[name]),
+                        }
                         response = client.post(name, content=b"p%d;" % seqs[name], headers=producer)
                         if response.status_code in (200, 204):
                             seqs[name] += 1
@@ -165,13 +173,29 @@ class Churn:
 
 
 def run(  # type: ignore[no-untyped-def]
-    minutes: float, seed: int, cold: bool, writers: int, readers: int, *, every: float = SAMPLE_EVERY, out=print
+    minutes: float,
+    seed: int,
+    cold: bool,
+    writers: int,
+    readers: int,
+    *,
+    every: float = SAMPLE_EVERY,
+    out=print,
 ) -> tuple[bool, list[Sample], Tally]:
     tally = Tally()
     stop = threading.Event()
     moto = None
     with tempfile.TemporaryDirectory() as data:
-        args = ["--storage", "disk", "--data-dir", data, "--segment-max-bytes", "256KiB", "--long-poll-timeout", "5"]
+        args = [
+            "--storage",
+            "disk",
+            "--data-dir",
+            data,
+            "--segment-max-bytes",
+            "256KiB",
+            "--long-poll-timeout",
+            "5",
+        ]
         env = None
         if cold:
             from tests.test_cold import CREDENTIALS, Moto
@@ -189,7 +213,9 @@ def run(  # type: ignore[no-untyped-def]
             thread.start()
         started = time.monotonic()
         samples: list[Sample] = []
-        out(f"soak: {minutes:g} min, seed {seed}, {writers} writers, {readers} readers, cold tier {'on' if cold else 'off'}")
+        out(
+            f"soak: {minutes:g} min, seed {seed}, {writers} writers, {readers} readers, cold tier {'on' if cold else 'off'}"
+        )
         try:
             while time.monotonic() - started < minutes * 60:
                 time.sleep(every)
@@ -215,7 +241,9 @@ def run(  # type: ignore[no-untyped-def]
     out("| sample | s | fds | on deleted files | RSS MiB | threads | requests |")
     out("|---|---|---|---|---|---|---|")
     for number, s in enumerate(samples, 1):
-        out(f"| {number} | {s.at:.0f} | {s.fds} | {s.deleted_fds} | {s.rss_kib / 1024:.1f} | {s.threads} | {s.requests} |")
+        out(
+            f"| {number} | {s.at:.0f} | {s.fds} | {s.deleted_fds} | {s.rss_kib / 1024:.1f} | {s.threads} | {s.requests} |"
+        )
     out("")
     out(f"answers by status: {dict(sorted(tally.statuses.items()))}")
     out(f"verdict: {why}; {'no 5xx' if not errors else f'5xx answers: {errors}'}")
@@ -223,7 +251,9 @@ def run(  # type: ignore[no-untyped-def]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cold", action="store_true", help="also run the cold tier on a moto S3 server")

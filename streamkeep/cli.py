@@ -118,7 +118,9 @@ def _migrate(args: argparse.Namespace) -> int:
     store = S3Store(cold) if cold is not None else None
     root = Path(settings.storage.data_dir)
     try:
-        changed = migrate.upgrade(files.OS, root, store, lambda line: print(line, file=sys.stderr, flush=True))
+        changed = migrate.upgrade(
+            files.OS, root, store, lambda line: print(line, file=sys.stderr, flush=True)
+        )
     except (FormatError, OSError) as error:
         print(f"streamkeep migrate: {error}", file=sys.stderr)
         return 1

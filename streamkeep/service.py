@@ -301,7 +301,9 @@ class Service:
         reader.live.observe(view)
         return view, None
 
-    async def _long_poll(self, name: str, start: Offset | str, cursor: str | None, request: Request) -> Response:
+    async def _long_poll(
+        self, name: str, start: Offset | str, cursor: str | None, request: Request
+    ) -> Response:
         known = None
         if isinstance(start, Offset) and start.incarnation != offsets.ANY_INCARNATION:
             known = self._live.get((name, start.incarnation))
@@ -341,7 +343,9 @@ class Service:
             meta = view.view.meta
             body = batch.encoded("body", lambda: responses.body_for(meta, view.messages))
             up_to_date = live_now.at_tail(view)
-        return self._data_response(view, start, request, cursor=response_cursor(cursor), body=body, up_to_date=up_to_date)
+        return self._data_response(
+            view, start, request, cursor=response_cursor(cursor), body=body, up_to_date=up_to_date
+        )
 
     async def _sse(
         self, name: str, start: Offset | str, cursor: str | None, push: PushTarget | None
@@ -371,7 +375,7 @@ class Service:
                 meta = view.view.meta
                 closed_at_end = meta.closed and view.at_tail
                 if view.messages:
-                    yield _sse_batch(view, batch, cursor, base64_mode)
+                    yield _sse_batch(view, batch, cursor, base64_mode, live)
                     sent_control = True
                 elif not sent_control or closed_at_end:
                     yield sse.control(
@@ -391,7 +395,7 @@ class Service:
                     if push is not None and live.can_push:
                         # Asleep while changes are written straight to this subscriber's socket.
                         parked = await live.park(
-                            position, push, _push_frame(push, cursor, base64_mode), deadline
+                            position, push, _push_frame(push, cursor, base64_mode, live), deadline
                         )
                         if parked.leftover:
                             yield Framed(parked.leftover)
@@ -436,13 +440,13 @@ class _LiveReader:
         self.service._leave_live((self.name, self.incarnation), self.live)
 
 
-def _sse_bytes(view: ReadView, fresh_cursor: str, base64_mode: bool) -> bytes:
+def _sse_bytes(view: ReadView, fresh_cursor: str, base64_mode: bool, up_to_date: bool) -> bytes:
     """The events for one read: its data (if any) and the control event after it."""
     meta = view.view.meta
     control = sse.control(
         offsets.encode(view.next_position, meta.incarnation),
         cursor=fresh_cursor,
-        up_to_date=view.at_tail,
+        up_to_date=up_to_date,
         closed=meta.closed and view.at_tail,
     )
     if not view.messages:
@@ -451,23 +455,30 @@ def _sse_bytes(view: ReadView, fresh_cursor: str, base64_mode: bool) -> bytes:
     return sse.event("data", payload) + control
 
 
-def _sse_batch(view: ReadView, batch: Batch | None, cursor: str | None, base64_mode: bool) -> bytes:
-    """A read's events; built once per batch for all readers that share a cursor."""
+def _sse_batch(
+    view: ReadView, batch: Batch | None, cursor: str | None, base64_mode: bool, live: LiveStream
+) -> bytes:
+    """A read's events; built once per batch for all readers that share a cursor. A kept batch
+    may be long past: `upToDate` is what holds now (§5.8), so it is part of the key."""
     fresh = response_cursor(cursor)
     if batch is None:
-        return _sse_bytes(view, fresh, base64_mode)
-    return batch.encoded(("sse", base64_mode, fresh), lambda: _sse_bytes(view, fresh, base64_mode))
+        return _sse_bytes(view, fresh, base64_mode, view.at_tail)
+    now = live.at_tail(view)
+    return batch.encoded(("sse", base64_mode, fresh, now), lambda: _sse_bytes(view, fresh, base64_mode, now))
 
 
-def _push_frame(push: PushTarget, cursor: str | None, base64_mode: bool) -> Callable[[Batch], bytes]:
+def _push_frame(
+    push: PushTarget, cursor: str | None, base64_mode: bool, live: LiveStream
+) -> Callable[[Batch], bytes]:
     """A parked subscriber's bytes for a batch: the same object for every subscriber that shares
-    the edge's framing and a cursor."""
+    the edge's framing, a cursor and whether the batch still ends at the tail."""
 
     def frame(batch: Batch) -> bytes:
         fresh = response_cursor(cursor)
+        now = live.at_tail(batch.view)
         return batch.encoded(
-            ("push", push.kind, base64_mode, fresh),
-            lambda: push.frame(_sse_bytes(batch.view, fresh, base64_mode)),
+            ("push", push.kind, base64_mode, fresh, now),
+            lambda: push.frame(_sse_bytes(batch.view, fresh, base64_mode, now)),
         )
 
     return frame

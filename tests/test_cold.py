@@ -277,10 +277,16 @@ def test_archive_verify_keeps_what_a_live_server_may_still_be_recording(tmp_path
             httpx.post(url, content=os.urandom(1_100_000), headers=OCTETS, timeout=30)
         wait_until(lambda: len(segment_files(tmp_path, "live")) == 1, what="uploads")
         live_key = next(k for k in moto.keys("archive", "prod/streams/live/"))
-        in_flight = live_key.rsplit("/", 1)[0] + "/0000000099999999.seg"  # this incarnation, no manifest entry
+        in_flight = (
+            live_key.rsplit("/", 1)[0] + "/0000000099999999.seg"
+        )  # this incarnation, no manifest entry
         dead = "prod/streams/live/0123456789ab/0000000000000000.seg"  # another incarnation of the name
         client = boto3.client(
-            "s3", endpoint_url=moto.url, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1"
+            "s3",
+            endpoint_url=moto.url,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
         )
         for key in (in_flight, dead):
             client.put_object(Bucket="archive", Key=key, Body=b"x")
@@ -292,8 +298,12 @@ def test_archive_verify_keeps_what_a_live_server_may_still_be_recording(tmp_path
         assert "1 recent objects of live streams" in verify.stdout and "deleted 1 orphaned" in verify.stdout
         remaining = moto.keys("archive", "prod/streams/live/")
         assert in_flight in remaining and dead not in remaining
-        old_enough = subprocess.run([*command, "--orphan-min-age", "0"], capture_output=True, text=True, env=env, timeout=60)
-        assert "deleted 1 orphaned" in old_enough.stdout and in_flight not in moto.keys("archive", "prod/streams/live/")
+        old_enough = subprocess.run(
+            [*command, "--orphan-min-age", "0"], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert "deleted 1 orphaned" in old_enough.stdout and in_flight not in moto.keys(
+            "archive", "prod/streams/live/"
+        )
         assert read_all(url) is not None and len(read_all(url)) == 3_300_000
     finally:
         server.stop()
@@ -312,7 +322,9 @@ async def test_objects_a_bucket_refuses_to_delete_are_retried(tmp_path: Path, mo
 
     for name, value in CREDENTIALS.items():
         os.environ.setdefault(name, value)
-    config = ColdConfig.from_url("s3://archive/prod", endpoint=moto.url, region="us-east-1", create_bucket=True)
+    config = ColdConfig.from_url(
+        "s3://archive/prod", endpoint=moto.url, region="us-east-1", create_bucket=True
+    )
 
     class Refusing(S3Store):
         refused = 0
@@ -323,7 +335,9 @@ async def test_objects_a_bucket_refuses_to_delete_are_retried(tmp_path: Path, mo
                 return [*super().delete(keys[1:]), keys[0]]
             return super().delete(keys)
 
-    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 26, max_total_bytes=1 << 28), segment_max_messages=1)
+    storage = DiskStorage(
+        tmp_path, budget=ByteBudget(max_stream_bytes=1 << 26, max_total_bytes=1 << 28), segment_max_messages=1
+    )
     store = Refusing(config)
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)

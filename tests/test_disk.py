@@ -170,7 +170,9 @@ def plain(log, body: bytes) -> AppendRecord:  # type: ignore[no-untyped-def]
 
 async def test_disk_full_fails_the_append_and_rolls_back(tmp_path: Path) -> None:
     fs = FaultyFS()
-    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), fs=fs)
+    storage = DiskStorage(
+        tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), fs=fs
+    )
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)
         log = await storage.create(new_meta("s"), [b"first;"])
@@ -240,7 +242,9 @@ async def test_disk_full_answers_507_json_and_reads_go_on(tmp_path: Path) -> Non
     from streamkeep.service import Service, ServiceOptions
 
     fs = FaultyFS()
-    storage = DiskStorage(tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), fs=fs)
+    storage = DiskStorage(
+        tmp_path, budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), fs=fs
+    )
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)
         service = Service(Supervisor(storage, nursery), ServiceOptions())

@@ -36,9 +36,20 @@ REQUESTS = {
 
 
 @pytest.fixture(scope="module", params=["lean", "quart"])
-def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess, Path]]:
+def servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, ServerProcess, Path]]:
     ca, cert, key = make_certificates(tmp_path_factory.mktemp("tls"))
-    common = ("--storage", "memory", "--edge", request.param, "--long-poll-timeout", "3", "--sse-close-after", "3")
+    common = (
+        "--storage",
+        "memory",
+        "--edge",
+        request.param,
+        "--long-poll-timeout",
+        "3",
+        "--sse-close-after",
+        "3",
+    )
     plain = start(*common)
     tls = start(*common, "--tls-cert", str(cert), "--tls-key", str(key))
     for server, verify in ((plain, True), (tls, ssl.create_default_context(cafile=str(ca)))):
@@ -73,14 +84,20 @@ def tls_socket(server: ServerProcess, ca: Path, alpn: str) -> ssl.SSLSocket:
     return context.wrap_socket(raw, server_hostname="localhost")
 
 
-def test_http11_clients_hanging_up_anywhere_log_nothing(servers: tuple[ServerProcess, ServerProcess, Path]) -> None:
+def test_http11_clients_hanging_up_anywhere_log_nothing(
+    servers: tuple[ServerProcess, ServerProcess, Path],
+) -> None:
     plain, tls, ca = servers
     for server in (plain, tls):
         since = len(server.output)
         before = open_fds(server.process.pid)[0]
         for _name, request in REQUESTS.items():
             for _ in range(20):
-                sock = socket.create_connection(address(server)) if server is plain else tls_socket(server, ca, "http/1.1")
+                sock = (
+                    socket.create_connection(address(server))
+                    if server is plain
+                    else tls_socket(server, ca, "http/1.1")
+                )
                 sock.sendall(request)
                 time.sleep(0.01)
                 reset(sock)
@@ -99,7 +116,9 @@ def h2_request(sock: socket.socket, path: str) -> h2.connection.H2Connection:
     connection.initiate_connection()
     stream_id = connection.get_next_available_stream_id()
     connection.send_headers(
-        stream_id, [(":method", "GET"), (":path", path), (":scheme", "https"), (":authority", "localhost")], end_stream=True
+        stream_id,
+        [(":method", "GET"), (":path", path), (":scheme", "https"), (":authority", "localhost")],
+        end_stream=True,
     )
     sock.sendall(connection.data_to_send())
     sock.recv(65536)  # the server's settings, maybe data
@@ -107,10 +126,16 @@ def h2_request(sock: socket.socket, path: str) -> h2.connection.H2Connection:
 
 
 @pytest.mark.parametrize("ending", ["rst_stream", "goaway", "tcp reset"])
-def test_h2_clients_hanging_up_log_nothing(servers: tuple[ServerProcess, ServerProcess, Path], ending: str) -> None:
+def test_h2_clients_hanging_up_log_nothing(
+    servers: tuple[ServerProcess, ServerProcess, Path], ending: str
+) -> None:
     _, tls, ca = servers
     since = len(tls.output)
-    for path in ("/v1/stream/s?offset=-1&live=sse", "/v1/stream/s?offset=-1", "/v1/stream/s?offset=now&live=long-poll"):
+    for path in (
+        "/v1/stream/s?offset=-1&live=sse",
+        "/v1/stream/s?offset=-1",
+        "/v1/stream/s?offset=now&live=long-poll",
+    ):
         for _ in range(10):
             sock = tls_socket(tls, ca, "h2")
             connection = h2_request(sock, path)
@@ -152,4 +177,6 @@ async def test_a_genuine_connection_failure_is_still_logged(caplog: pytest.LogCa
     with caplog.at_level(logging.DEBUG, logger="streamkeep.http.lean"):
         await serve_connection(Broken(), None, limits, Connections(), None)  # type: ignore[arg-type]
     failures = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert failures and failures[0].exc_info is not None and "a bug in the edge" in str(failures[0].exc_info[1])
+    assert (
+        failures and failures[0].exc_info is not None and "a bug in the edge" in str(failures[0].exc_info[1])
+    )

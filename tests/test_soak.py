@@ -6,7 +6,10 @@ from ops import soak
 
 
 def samples(fds: list[int], rss: list[int], deleted: int = 0) -> list[soak.Sample]:
-    return [soak.Sample(i * 10.0, f, deleted, r, 10, i * 100) for i, (f, r) in enumerate(zip(fds, rss, strict=True))]
+    return [
+        soak.Sample(i * 10.0, f, deleted, r, 10, i * 100)
+        for i, (f, r) in enumerate(zip(fds, rss, strict=True))
+    ]
 
 
 def test_the_verdict_tells_flat_from_growing() -> None:
@@ -14,7 +17,9 @@ def test_the_verdict_tells_flat_from_growing() -> None:
     assert flat, why
     leaking, why = soak.verdict(samples([64, 70, 80, 95, 110, 125, 140, 155, 170], [40_000] * 9))
     assert not leaking and "descriptors grew" in why
-    growing, why = soak.verdict(samples([80] * 9, [40_000, 42_000, 44_000, 46_000, 48_000, 50_000, 53_000, 56_000, 59_000]))
+    growing, why = soak.verdict(
+        samples([80] * 9, [40_000, 42_000, 44_000, 46_000, 48_000, 50_000, 53_000, 56_000, 59_000])
+    )
     assert not growing and "RSS grew" in why
     holding, why = soak.verdict(samples([80] * 9, [40_000] * 9, deleted=33))
     assert not holding and "deleted files" in why
@@ -25,6 +30,8 @@ def test_a_short_soak_samples_and_reports() -> None:
     lines: list[str] = []
     _, taken, tally = soak.run(0.3, seed=5, cold=False, writers=4, readers=4, every=2.0, out=lines.append)
     assert len(taken) >= 6 and taken[-1].requests > 200
-    assert any(line.startswith("| sample |") for line in lines) and any(line.startswith("verdict:") for line in lines)
+    assert any(line.startswith("| sample |") for line in lines) and any(
+        line.startswith("verdict:") for line in lines
+    )
     assert not {status for status in tally.statuses if status >= 500}, tally.statuses
     assert all(sample.deleted_fds <= 2 for sample in taken)

@@ -4,7 +4,8 @@
         [--sync-method fdatasync|syncfs] [--disk tmpfs|ext4|plain] [--no-cold] [--workers 6]
         [--seeds K | --until-failure] [--matrix --total-minutes M]
     python -m ops.torture check HISTORY.jsonl    # judge a dumped history again
-    python -m ops.torture sim ...                 # the deterministic in-process tier (not yet)
+    python -m ops.torture sim --seed 7 [--seeds K] [--ops N] [--fsync ...] [--matrix --total-minutes M]
+    python -m ops.torture all --total-minutes 30  # both tiers: what `make torture` runs
 
 Exit status 1 on any finding. `--matrix` cycles through fsync modes and disks (and the cold tier on
 and off) with increasing seeds until `--total-minutes` have passed: what `make torture` runs.
@@ -20,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ops.torture import sim as sim_tier
+from ops.torture import simthreads
 from ops.torture.blackbox import Options, format_summary, run
 from ops.torture.checker import check_history
 from ops.torture.history import History
@@ -119,10 +122,87 @@ def main() -> int:
     checking.add_argument("history")
     checking.set_defaults(run=check)
     sim = commands.add_parser("sim", help="the deterministic in-process tier (SimFS, mock clock)")
-    sim.add_argument("rest", nargs=argparse.REMAINDER)
-    sim.set_defaults(run=lambda _args: print("not yet") or 2)
+    sim_tier.add_arguments(sim)
+    sim.add_argument("--matrix", action="store_true", help="cycle fsync modes and sync methods")
+    sim.add_argument("--total-minutes", type=float, default=0.0, help="with --matrix: stop after this long")
+    sim.set_defaults(run=simulate)
+    both = commands.add_parser(
+        "all", help="both tiers for --total-minutes: a third in-process, the rest black box"
+    )
+    both.add_argument("--total-minutes", type=float, default=30.0)
+    both.add_argument("--seed", type=int, default=1)
+    both.set_defaults(run=all_tiers)
     args = parser.parse_args()
+    if args.command in ("sim", "all"):
+        simthreads.reexec_with_hash_seed()  # sets of str iterate by hash: one seed, one run
     return int(args.run(args))
+
+
+SIM_MATRIX = [
+    ("always", "fdatasync"),
+    ("interval", "fdatasync"),
+    ("always", "syncfs"),
+    ("never", "fdatasync"),
+    ("interval", "syncfs"),
+]
+
+
+def simulate(args: argparse.Namespace) -> int:
+    """The in-process tier: --seeds runs, or with --matrix seeds across the fsync modes until
+    --total-minutes have passed. Prints a summary; exit 1 on any finding."""
+    if not args.matrix:
+        return sim_tier.main(args)
+    began, runs, ops, failed = time.monotonic(), 0, 0, []
+    faults: dict[str, int] = {}
+    for index in itertools.count():
+        if time.monotonic() - began >= args.total_minutes * 60:
+            break
+        args.fsync, args.sync_method = SIM_MATRIX[index % len(SIM_MATRIX)]
+        result = sim_tier.run(sim_tier.config_from(args, args.seed + index))
+        runs += 1
+        ops += sum(result.summary.op_kinds().values())
+        for kind, count in result.faults.items():
+            faults[kind] = faults.get(kind, 0) + count
+        if not result.ok:
+            failed.append(sim_tier.report(result))
+            print(failed[-1], flush=True)
+        if runs % 20 == 0:
+            print(
+                f"[sim {time.monotonic() - began:6.0f}s] {runs} seeds, {ops} operations, {len(failed)} failing",
+                flush=True,
+            )
+    print(
+        f"in-process tier: {runs} seeds from {args.seed}, {ops} operations, faults "
+        f"{dict(sorted(faults.items()))}: {len(failed)} failing" + ("" if failed else " (all clean)"),
+        flush=True,
+    )
+    return 1 if failed else 0
+
+
+def all_tiers(args: argparse.Namespace) -> int:
+    """What `make torture` runs: the in-process tier for a third of the time, the black box for
+    the rest, each printing its summary."""
+    parser = argparse.ArgumentParser()
+    sim_tier.add_arguments(parser)
+    sim_args = parser.parse_args(["--seed", str(args.seed), "--ops", "4000"])
+    sim_args.matrix, sim_args.total_minutes = True, args.total_minutes / 3
+    status = simulate(sim_args)
+    box = argparse.Namespace(
+        seed=args.seed,
+        duration=120.0,
+        fsync="always",
+        sync_method="fdatasync",
+        disk="tmpfs",
+        no_cold=False,
+        workers=6,
+        seeds=1,
+        until_failure=False,
+        matrix=True,
+        total_minutes=args.total_minutes * 2 / 3,
+        dump_dir=str(Path(tempfile.gettempdir()) / "torture-runs"),
+        server_args="",
+    )
+    return max(status, blackbox(box))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 # ---- statuses ---------------------------------------------------------------------------------
 
@@ -64,21 +65,30 @@ def fault_reason(status: int, body: str) -> str:
     """Which fault an error response blames: "disk" (full or failing disk), "cold-read" (the bucket
     cannot serve a read), "cold-backlog" (sealed segments wait for S3: the high-water mark).
 
-    The server's error body names the reason ({"error": {"code", "message"}}); anything not about
-    the cold tier is taken as a disk fault, the strictest reading: it is allowed only while the disk
-    is full.
+    The server's error body names the reason by a stable code ({"error": {"code", "message"}},
+    streamkeep/storage/errors.py); anything not about the cold tier is taken as a disk fault, the
+    strictest reading: it is allowed only while the disk is full or failing.
     """
     if status == 507:
         return "disk"
+    return {"cold_backlog": "cold-backlog", "cold_tier_unavailable": "cold-read"}.get(
+        error_code(body), "disk"
+    )
+
+
+def error_code(body: str) -> str:
+    """The error code of an answer's JSON body; from its first bytes too, if the client took no
+    more than a few (a vanishing reader)."""
     try:
-        message = str(json.loads(body)["error"]["message"]).lower()
+        return str(json.loads(body)["error"]["code"])
     except (ValueError, KeyError, TypeError):
-        return "disk"
-    if "waiting for the cold tier" in message:
-        return "cold-backlog"
-    if "cold tier" in message:
-        return "cold-read"
-    return "disk"
+        found = re.search(r'"code":\s*"([A-Za-z_]+)"', body)
+        return found.group(1) if found else ""
+
+
+# A 503 with this code: the change was made but could not be made durable (a directory fsync kept
+# failing after a create or delete was renamed into place), so it may or may not have happened.
+NOT_DURABLE = "not_durable"
 
 
 # ---- durability -------------------------------------------------------------------------------
@@ -118,6 +128,9 @@ def loss_window(fsync: str, fault: str, fsync_interval: float = 1.0) -> float:
 # an upload, so the high-water mark can hold for that long after S3 is back.
 WINDOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "disk": (("disk_full",), ("disk_freed",)),
+    # A disk that fails calls (EIO, ENOSPC, short writes, failed fsyncs): only the in-process tier
+    # injects these (ops/torture/simfs.py).
+    "disk-faults": (("disk_faults",), ("disk_healed",)),
     "s3": (("s3_stop", "s3_freeze"), ("s3_start", "s3_thaw")),
     # The server is down from a kill, a SIGTERM, a power cut or an unexpected exit ("crash") until
     # it listens again ("restart").
@@ -125,4 +138,10 @@ WINDOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 # Point faults: "s3_wipe" (the bucket restarted empty: cold data is gone for good), and
 # "client_vanish" (a client reset its connection mid-request; informational).
-GRACE: dict[str, float] = {"disk": 3.0, "cold-read": 5.0, "cold-backlog": 150.0, "down": 1.0}
+GRACE: dict[str, float] = {
+    "disk": 3.0,
+    "disk-faults": 3.0,
+    "cold-read": 5.0,
+    "cold-backlog": 150.0,
+    "down": 1.0,
+}

@@ -136,12 +136,14 @@ class Fault:
 Event = OpStarted | OpEnded | Fault
 
 
-def classify(status: int | None, error: str | None = None) -> str:
+def classify(status: int | None, error: str | None = None, body: str = "") -> str:
     """ok / failed / ambiguous, from the status (or why there is none)."""
     if status is None:
         return FAILED if error in NEVER_SENT else AMBIGUOUS
     if status < 400:
         return OK
+    if status == 503 and '"not_durable"' in body:
+        return AMBIGUOUS  # done, but maybe not durably: a power cut may take it back
     if status < 500 or status in (503, 507):
         return FAILED
     return AMBIGUOUS  # a 500 or a proxy's 502/504: the request may have half happened

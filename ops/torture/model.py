@@ -869,17 +869,31 @@ class Model:
         """Whether a 503/507 is explained by a fault active during the operation."""
         reason = contract.fault_reason(status, body)
         s, e = started.time, ended.time
+        disk = self.faults.active("disk", s, e, contract.GRACE["disk"]) or self.faults.active(
+            "disk-faults", s, e, contract.GRACE["disk-faults"]
+        )
+        if status == 503 and not contract.error_code(body):  # a client that took too few bytes to tell
+            return (
+                disk
+                or self.faults.active("s3", s, e, contract.GRACE["cold-backlog"])
+                or self.faults.happened("s3_wipe", 0, e)
+            )
         if reason == "disk":
-            return self.faults.active("disk", s, e, contract.GRACE["disk"])
-        if reason == "cold-backlog":
+            return disk
+        if reason == "cold-backlog":  # uploads wait for the bucket, or fail to read a failing disk
             grace = contract.GRACE["cold-backlog"]
-            return self.faults.active("s3", s, e, grace) or self.faults.happened("s3_wipe", s - grace, e)
-        # cold-read: the bucket is down now, or was wiped while this stream's data was in it.
+            return (
+                self.faults.active("s3", s, e, grace)
+                or self.faults.happened("s3_wipe", s - grace, e)
+                or self.faults.active("disk-faults", s, e, grace)
+            )
+        # cold-read: the bucket is down now, or was wiped since this stream's data (or, for a
+        # fork, its source's) went into it.
         if self.faults.active("s3", s, e, contract.GRACE["cold-read"]):
             return True
-        wiped = [inc] if inc is not None else []
-        return any(i.cold_wiped_at is not None for i in wiped) or (
-            inc is None and self.faults.happened("s3_wipe", 0, e)
+        chain = list(inc.chain()) if inc is not None else []
+        return any(i.cold_wiped_at is not None for i in chain) or (
+            (inc is None or inc.source is not None) and self.faults.happened("s3_wipe", 0, e)
         )
 
     def server_down(self, start: float, end: float) -> bool:

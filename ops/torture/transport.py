@@ -117,7 +117,7 @@ class HttpTransport:
             response.status_code,
             keep_headers(response.headers.items()),
             to_text(response.content),
-            verdict=classify(response.status_code),
+            verdict=classify(response.status_code, body=to_text(response.content)),
         )
 
     # ---- SSE ------------------------------------------------------------------------------
@@ -135,7 +135,10 @@ class HttpTransport:
                 ):
                     body = response.read()
                     return Outcome(
-                        response.status_code, headers, to_text(body), verdict=classify(response.status_code)
+                        response.status_code,
+                        headers,
+                        to_text(body),
+                        verdict=classify(response.status_code, body=to_text(body)),
                     )
                 base64_mode = response.headers.get("stream-sse-data-encoding", "").lower() == "base64"
                 parser = SseParser(base64_mode, self.clock)

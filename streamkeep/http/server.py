@@ -62,7 +62,9 @@ async def open_storage(
     with its background work started; and its cold tier, if one is configured."""
     limits = settings.limits
     if settings.storage.mode == "memory":
-        return MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes), None
+        return MemoryStorage(
+            max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes
+        ), None
     options = settings.storage
     root = Path(options.data_dir)
     cold = ColdConfig.from_settings(settings)

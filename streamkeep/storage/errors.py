@@ -34,10 +34,14 @@ class StorageUnavailable(Exception):
     failing after a create or delete was renamed into place): the server goes on as if it was
     done, and says so, since a power cut may still take it back."""
 
-    def __init__(self, message: str, *, status: int, happened: bool = False) -> None:
+    def __init__(self, message: str, *, status: int, happened: bool = False, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.happened = happened
+        # A stable name for the cause, for clients and the torture checker (messages may change):
+        # storage_full, storage_unavailable, not_durable, read_only, cold_tier_unavailable,
+        # cold_backlog.
+        self.code = code or ("storage_full" if status == 507 else "storage_unavailable")
 
 
 class StreamDeleted(Exception):
@@ -54,6 +58,7 @@ def not_durable(what: str, error: OSError) -> StorageUnavailable:
         "may still undo it; check with HEAD before repeating it",
         status=503,
         happened=True,
+        code="not_durable",
     )
 
 
@@ -84,8 +89,7 @@ def as_protocol_error(error: StorageFull | StorageUnavailable | StreamDeleted, n
         if error.per_stream:
             return ProtocolError(413, "stream_too_large", str(error))
         return ProtocolError(507, "storage_full", f"{error}; delete streams or raise the cap", RETRY_AFTER)
-    code = "storage_full" if error.status == 507 else "storage_unavailable"
-    return ProtocolError(error.status, code, str(error), RETRY_AFTER)
+    return ProtocolError(error.status, error.code, str(error), RETRY_AFTER)
 
 
 STORAGE_ERRORS = (StorageFull, StorageUnavailable, StreamDeleted)

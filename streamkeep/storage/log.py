@@ -159,11 +159,13 @@ class DiskLog:
         storage = self._storage
         if self.writer.read_only is not None:
             raise StorageUnavailable(
-                f"stream {self.meta.name!r} takes no appends: {self.writer.read_only}", status=503
+                f"stream {self.meta.name!r} takes no appends: {self.writer.read_only}",
+                status=503,
+                code="read_only",
             )
         blocked = storage.cold.appends_blocked() if storage.cold is not None else None
         if blocked is not None:
-            raise StorageUnavailable(blocked, status=503)
+            raise StorageUnavailable(blocked, status=503, code="cold_backlog")
         added = sum(len(m) for m in record.messages)
         storage.budget.reserve(self._tail - self.meta.fork_base, added)
         pending = Pending(record, self._tail, Commit(), int(time.time() * 1000))
@@ -221,7 +223,7 @@ class DiskLog:
         if isinstance(error, OSError):
             return from_os_error(error, what)
         if isinstance(error, ReadOnly):
-            return StorageUnavailable(f"{what}: {error}", status=503)
+            return StorageUnavailable(f"{what}: {error}", status=503, code="read_only")
         if isinstance(error, StorageUnavailable | StreamDeleted):
             return error
         log.error("%s failed: %r", what, error)
@@ -444,13 +446,17 @@ class DiskLog:
                 return data
         if storage.cold is None or segment.cold_key is None:
             raise StorageUnavailable(
-                f"{segment.path.name} of {self.meta.name!r} is in the cold tier, which is off", status=503
+                f"{segment.path.name} of {self.meta.name!r} is in the cold tier, which is off",
+                status=503,
+                code="cold_tier_unavailable",
             )
         try:
             return await storage.cold.read(segment.cold_key, begin, length)
         except Exception as error:  # S3 down, timeouts, missing objects: never wrong or partial data
             raise StorageUnavailable(
-                f"the cold tier could not serve {self.meta.name!r}: {error}; retry shortly", status=503
+                f"the cold tier could not serve {self.meta.name!r}: {error}; retry shortly",
+                status=503,
+                code="cold_tier_unavailable",
             ) from None
 
 

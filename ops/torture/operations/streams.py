@@ -314,6 +314,7 @@ class _Append(Operation):
     """Plain appends and producers share everything but the producer rules."""
 
     blocking = True
+    stores: tuple[int, ...] = (204,)  # the statuses that mean a new record was stored
 
     def on_start(self, model: Model, started: OpStarted) -> None:
         register_body(model, started)
@@ -350,7 +351,8 @@ class _Append(Operation):
         found = None
         if outcome.status in (200, 204) or (outcome.status == 409 and closed_flag(outcome)):
             found = header_token(model, started, ended, states)
-        touch(model, started, ended, states, found[0] if found else None, write=outcome.status in (200, 204))
+        # Only a new record outlives a restart: a producer's duplicate (204) stores nothing.
+        touch(model, started, ended, states, found[0] if found else None, write=outcome.status in self.stores)
         if found is None:
             if outcome.status == 404:
                 model.narrow(name, started.time, ended.time, lambda s: s.inc is None)
@@ -429,6 +431,7 @@ class Produce(_Append):
 
     kind = "produce"
     weight = 15
+    stores = (200,)  # 204 is a duplicate
 
     def generate(self, ctx: GenContext) -> Planned | None:
         view, rng = ctx.view, ctx.rng
@@ -605,7 +608,9 @@ class Close(Operation):
         found = None
         if outcome.status in (204, 409):
             found = header_token(model, started, ended, states)
-        touch(model, started, ended, states, found[0] if found else None, write=outcome.status == 204)
+        # A close of a stream already closed writes no record: its touch ends with the process.
+        stored = outcome.status == 204 and not all(s.closed for s in states if s.inc is not None)
+        touch(model, started, ended, states, found[0] if found else None, write=stored)
         if found is None:
             if outcome.verdict == AMBIGUOUS:
                 model.change(
