@@ -107,13 +107,15 @@ soak: $(VENV_STAMP)
 crash-test: $(VENV_STAMP)
 	$(PY) -m ops.crash_test --kills 20
 
-## Torture (issue 11): DURATION minutes (default 30) of seeded black-box runs, 2 minutes each, across
-## fsync modes, disks (tmpfs, ext4 loop image, plain) and the cold tier on and off. Needs root (mounts).
-## Exit status 1 on any finding; each failing run prints the command that replays it.
+## Torture (issue 11): DURATION minutes (default 30) of seeded runs. A third in-process (the server on a
+## simulated disk and bucket, power cuts included, across fsync modes), the rest black box (a real
+## server process under kill -9, full disks and a stopped bucket, 2 minutes a run, on tmpfs, an ext4
+## loop image and a plain directory). Needs root (mounts). Exit status 1 on any finding; each failing
+## run prints the command that replays it.
 DURATION ?= 30
 SEED ?= 1
 torture: $(VENV_STAMP)
-	$(PY) -m ops.torture blackbox --matrix --total-minutes $(DURATION) --duration 120 --seed $(SEED)
+	$(PY) -m ops.torture all --total-minutes $(DURATION) --seed $(SEED)
 
 clean:
 	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache
