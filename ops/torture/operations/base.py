@@ -220,6 +220,23 @@ def header_token(
     return inc, parsed[1]
 
 
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def type_mismatch(state: State, started: OpStarted) -> bool:
+    """The request carries a body whose Content-Type is not the stream's: an open stream answers
+    409 (§5.2: after "closed", before the producer checks), with neither Stream-Closed nor
+    Stream-Next-Offset nor Producer-Expected-Seq. Clients send the type they believe the stream
+    has; a fork takes its source's type, and when the fork's answer was lost (an ambiguous or 503
+    not_durable fork) they may believe wrong (seeds 168 and 231: appends of text/plain to a fork of
+    a binary stream)."""
+    if state.inc is None or not started.call.body:
+        return False
+    sent = next((v for k, v in started.call.headers.items() if k.lower() == "content-type"), None)
+    return sent is not None and media_type(sent) != media_type(state.inc.content_type)
+
+
 def closed_flag(outcome: Outcome) -> bool:
     return outcome.headers.get("stream-closed", "").lower() == "true"
 
