@@ -732,6 +732,7 @@ class Head(Operation):
         if outcome.status == 200:
             guess.exists = True
             ctx.view.saw_token(planned.name or "", outcome.headers.get("stream-next-offset"))
+            ctx.view.saw_content_type(planned.name or "", outcome.headers.get("content-type"))
         elif outcome.status == 404:
             guess.exists = False
 
