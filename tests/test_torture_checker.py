@@ -11,7 +11,9 @@ from ops.torture.history import AMBIGUOUS, Call, Chunk, Event, History, Outcome,
 from ops.torture.model import RunConfig
 
 TEXT = {"Content-Type": "text/plain"}
-A, B = 101, 202  # incarnation numbers
+A, B, C = 101, 202, 303  # incarnation numbers
+BINARY = {"Content-Type": "application/octet-stream"}
+NOT_DURABLE = json.dumps({"error": {"code": "not_durable", "message": "create was done, not durably"}})
 
 
 def tok(inc: int, position: int) -> str:
@@ -46,7 +48,7 @@ class Script:
         self.clock += took
         if outcome.verdict == AMBIGUOUS and outcome.status is not None:
             pass
-        outcome.verdict = classify(outcome.status, outcome.error)
+        outcome.verdict = classify(outcome.status, outcome.error, outcome.body)
         self.history.end(started, outcome)
         self.clock += 0.1
         return started.id
@@ -130,6 +132,16 @@ class Script:
         return self.op(
             "read", name, call, Outcome(status, headers, body), {"offset": offset, "final": final}, **kw
         )  # type: ignore[arg-type]
+
+    def fork(
+        self, name: str, source: str, status: int, inc: int | None = None, body: str = "", **sent: str
+    ) -> int:
+        params = {"source": source, "offset": None, "sub_offset": 0, "ttl": None}
+        headers = {"stream-next-offset": tok(inc, 0)} if inc is not None else {}
+        call = Call(
+            "PUT", f"/v1/stream/{name}", headers={"Stream-Forked-From": f"/v1/stream/{source}", **sent}
+        )
+        return self.op("fork", name, call, Outcome(status, headers, body), params)
 
     def delete(self, name: str, status: int = 204, **kw: object) -> int:
         return self.op("delete", name, Call("DELETE", f"/v1/stream/{name}"), Outcome(status), **kw)  # type: ignore[arg-type]
@@ -377,3 +389,89 @@ def test_an_append_that_never_finished_its_body_must_not_appear() -> None:
     s.op("vanish_append", "txt/0", call, Outcome(None, error="body_cut"), params)
     s.read("txt/0", "-1", rec("w0.1") + rec("w0.2") + rec("w0.3") + rec("w0.4"), A, 32)
     assert "failed-append-present" in s.check()
+
+
+def test_a_create_whose_answer_was_lost_may_land_where_a_soft_deleted_stream_was_reaped() -> None:
+    # Seeds 102 and 249: the timeline holds "soft-deleted" for a source whose last fork is gone
+    # (the server may have reaped it: `states` adds ABSENT), and a create answered 503 not_durable
+    # (done, maybe not durably) there. The stream it made must be known, not "unknown-incarnation".
+    s = Script()
+    s.create("txt/1", A)
+    s.fork("fork/0", "txt/1", 201, inc=B)
+    s.delete("txt/1")  # soft: fork/0 reads it
+    s.delete("fork/0")  # the last fork: txt/1 may be reaped
+    s.fault("disk_faults")  # a directory fsync fails: the create is done but maybe not durably
+    s.op(
+        "create",
+        "txt/1",
+        Call("PUT", "/v1/stream/txt/1", headers=TEXT),
+        Outcome(503, body=NOT_DURABLE),
+        {"content_type": "text/plain", "ttl": None, "expires_at": None, "closed": False},
+    )
+    s.create("txt/1", C, status=200)
+    s.append("txt/1", "w0.1", 204, inc=C, end=8)
+    assert s.check() == []
+
+
+def _fork_of_binary_lost() -> Script:
+    """fork/0 of a binary stream whose answer was lost: clients still think it is text/plain."""
+    s = Script()
+    params = {"content_type": "application/octet-stream", "ttl": None, "expires_at": None, "closed": False}
+    s.op(
+        "create",
+        "bin/0",
+        Call("PUT", "/v1/stream/bin/0", headers=BINARY),
+        Outcome(201, {"stream-next-offset": tok(A, 0)}),
+        params,
+    )
+    s.fault("disk_faults")
+    s.fork("fork/0", "bin/0", 503, body=NOT_DURABLE)
+    s.fault("disk_healed")
+    return s
+
+
+def test_a_content_type_mismatch_is_a_409_without_offset_or_producer_headers() -> None:
+    # Seeds 168 and 231: the server answers an append, a produce and an append-and-close of the
+    # wrong type with 409 content_type_mismatch (§5.2), which carries no Stream-Next-Offset and no
+    # Producer-Expected-Seq (only a closed stream's 409 and a sequence gap's do).
+    mismatch = json.dumps({"error": {"code": "content_type_mismatch", "message": "..."}})
+    s = _fork_of_binary_lost()
+    s.append("fork/0", "w0.1", 409)
+    s.op(
+        "produce",
+        "fork/0",
+        Call("POST", "/v1/stream/fork/0", headers=TEXT, body=rec("w0.2")),
+        Outcome(409, body=mismatch),
+        {
+            "record": "w0.2",
+            "stored": rec("w0.2"),
+            "record_ids": ["w0.2"],
+            "producer": ["p", 0, 0],
+            "content_type": "text/plain",
+            "body": rec("w0.2"),
+        },
+    )
+    close = Call("POST", "/v1/stream/fork/0", headers={"Stream-Closed": "true", **TEXT}, body=rec("w0.3"))
+    s.op(
+        "close",
+        "fork/0",
+        close,
+        Outcome(409, body=mismatch),
+        {"record": "w0.3", "stored": rec("w0.3"), "record_ids": ["w0.3"]},
+    )
+    assert s.check() == []
+    # The same 409 from a stream of the type the append names is still wrong.
+    s = three_appends()
+    s.append("txt/0", "w0.4", 409)
+    assert "wrong-status" in s.check()
+    # And a producer's 409 for a stream of its own type must be a sequence gap, with its headers.
+    s = three_appends()
+    s.produce("txt/0", "w0.4", 0, 409, None)
+    assert "producer-gap" in s.check()
+    # A fork that names a Content-Type other than its source's is refused with 409 (§4.2).
+    s = _fork_of_binary_lost()
+    s.fork("fork/1", "bin/0", 409, body=mismatch, **{"Content-Type": "text/plain"})
+    assert s.check() == []
+    s = _fork_of_binary_lost()
+    s.fork("fork/1", "bin/0", 201, inc=B, **{"Content-Type": "text/plain"})
+    assert "wrong-status" in s.check()

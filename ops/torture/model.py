@@ -429,6 +429,21 @@ class Model:
                 out.add(ABSENT)  # the last fork may have gone: the source may be reaped (later)
         return out
 
+    def maybe_vacant(self, state: State, time: float) -> bool:
+        """Whether the path may hold no stream by `time` although the timeline says `state`: no
+        stream, one that may have expired, or a soft-deleted one whose forks may all be gone (the
+        server reaps it then). `states` adds those as ABSENT when judging an answer, but the
+        timeline never holds them, so a create or fork whose answer was lost must ask here: a
+        create that may have landed on a reaped path would otherwise be forgotten, and the stream
+        it made judged an unknown incarnation (seeds 102 and 249: a 503 not_durable create on the
+        path of a soft-deleted stream whose last fork had gone)."""
+        inc = state.inc
+        if inc is None:
+            return True
+        if inc.maybe_expired_by(time):
+            return True
+        return state.soft and all(self.maybe_gone(f, time) for f in inc.forks)
+
     def maybe_live(self, inc: Incarnation, time: float) -> bool:
         return any(s.inc is inc for s in self.states(inc.name, time, time))
 

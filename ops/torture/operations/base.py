@@ -91,6 +91,18 @@ class ClientView:
                 if not guess.tokens or guess.tokens[-1] != token:
                     guess.tokens.append(token)
 
+    def saw_content_type(self, name: str, content_type: str | None) -> None:
+        """A fork's type is its source's, learned from the fork's 201; when that answer was lost
+        (an ambiguous or 503 not_durable fork) the clients would keep sending the type they
+        guessed, and every append would be refused (409 content_type_mismatch) until the name is
+        forked again. A read's or HEAD's Content-Type says the stream's type: learn it there."""
+        if not name.startswith("fork/") or not content_type or name not in self.streams:
+            return
+        if content_type.split(";")[0].strip().lower() == "text/event-stream":
+            return  # an SSE answer's own type, not the stream's
+        with self.lock:
+            self.streams[name].content_type = content_type
+
     def existing(self, rng: random.Random, kinds: tuple[str, ...] | None = None) -> str | None:
         names = [
             n for n, g in self.streams.items() if g.exists and (kinds is None or n.split("/")[0] in kinds)
@@ -218,6 +230,23 @@ def header_token(
         [started.id, inc.created_by],
     )
     return inc, parsed[1]
+
+
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def type_mismatch(state: State, started: OpStarted) -> bool:
+    """The request carries a body whose Content-Type is not the stream's: an open stream answers
+    409 (§5.2: after "closed", before the producer checks), with neither Stream-Closed nor
+    Stream-Next-Offset nor Producer-Expected-Seq. Clients send the type they believe the stream
+    has; a fork takes its source's type, and when the fork's answer was lost (an ambiguous or 503
+    not_durable fork) they may believe wrong (seeds 168 and 231: appends of text/plain to a fork of
+    a binary stream)."""
+    if state.inc is None or not started.call.body:
+        return False
+    sent = next((v for k, v in started.call.headers.items() if k.lower() == "content-type"), None)
+    return sent is not None and media_type(sent) != media_type(state.inc.content_type)
 
 
 def closed_flag(outcome: Outcome) -> bool:

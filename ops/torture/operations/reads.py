@@ -67,6 +67,8 @@ class _Read(Operation):
         if outcome.status in (200, 204) and token:
             ctx.view.cursors[(ctx.worker, name)] = token
             ctx.view.saw_token(name, token)
+            if outcome.status == 200:
+                ctx.view.saw_content_type(name, outcome.headers.get("content-type"))
         elif outcome.status in (404, 410):
             ctx.view.cursors.pop((ctx.worker, name), None)
             if outcome.status == 404:

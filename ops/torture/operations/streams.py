@@ -20,10 +20,12 @@ from ops.torture.operations.base import (
     header_token,
     is_json,
     judge_closed_report,
+    media_type,
     record_for,
     register,
     register_body,
     touch,
+    type_mismatch,
 )
 
 # ---- stream operations --------------------------------------------------------------------------
@@ -159,9 +161,7 @@ class Create(Operation):
                 name,
                 started,
                 ended,
-                lambda s: (
-                    [State(inc, p["closed"])] if s.inc is None or s.inc.maybe_expired_by(ended.time) else [s]
-                ),
+                lambda s: [State(inc, p["closed"])] if model.maybe_vacant(s, ended.time) else [s],
             )
 
 
@@ -247,6 +247,8 @@ class Fork(Operation):
                 allowed.add(404)
             elif src.soft:
                 allowed.add(409)
+            elif _fork_type_mismatch(src, started):
+                allowed.add(409)  # checked before the fork point (see type_mismatch)
             else:
                 allowed.add(201)
                 if p["sub_offset"]:
@@ -307,7 +309,20 @@ class Fork(Operation):
                 opaque=offset is None or bool(p["sub_offset"]),
             )
             source.forks.append(inc)
-            model.change(name, started, ended, lambda s: [State(inc)] if s.inc is None else [s])
+            # The target may also have been freed meanwhile (expired, or reaped): see maybe_vacant.
+            model.change(
+                name, started, ended, lambda s: [State(inc)] if model.maybe_vacant(s, ended.time) else [s]
+            )
+
+
+def _fork_type_mismatch(source: State, started: OpStarted) -> bool:
+    """A fork's optional Content-Type must be its source's (§4.2), else 409."""
+    sent = started.call.headers.get("Content-Type")
+    return (
+        source.inc is not None
+        and sent is not None
+        and media_type(sent) != media_type(source.inc.content_type)
+    )
 
 
 class _Append(Operation):
@@ -344,6 +359,8 @@ class _Append(Operation):
             elif s.soft:
                 allowed.add(410)
             elif s.closed:
+                allowed.add(409)
+            elif type_mismatch(s, started):
                 allowed.add(409)
             else:
                 allowed |= self.open_statuses()
@@ -506,6 +523,9 @@ class Produce(_Append):
             )
         elif outcome.status == 409 and not closed_flag(outcome):
             expected = outcome.headers.get("producer-expected-seq")
+            states = model.states(started.name or "", started.time, ended.time)
+            if expected is None and any(type_mismatch(s, started) for s in states if not s.closed):
+                return  # a content-type mismatch, checked before the producer's seq (§5.2)
             model.check(
                 "producer-409",
                 expected is not None and int(expected) != seq,
@@ -602,11 +622,15 @@ class Close(Operation):
                 allowed.add(410)
             elif s.closed:
                 allowed.add(409 if append is not None else 204)
+            elif append is not None and type_mismatch(s, started):
+                allowed.add(409)  # an append-and-close of the wrong type: nothing happens
             else:
                 allowed.add(204)
         expect_status(model, started, ended, allowed, states)
         found = None
-        if outcome.status in (204, 409):
+        # Only a 409 for a closed stream carries Stream-Closed and Stream-Next-Offset (§5.2); a
+        # content-type mismatch's 409 carries neither.
+        if outcome.status == 204 or (outcome.status == 409 and closed_flag(outcome)):
             found = header_token(model, started, ended, states)
         # A close of a stream already closed writes no record: its touch ends with the process.
         stored = outcome.status == 204 and not all(s.closed for s in states if s.inc is not None)
@@ -708,6 +732,7 @@ class Head(Operation):
         if outcome.status == 200:
             guess.exists = True
             ctx.view.saw_token(planned.name or "", outcome.headers.get("stream-next-offset"))
+            ctx.view.saw_content_type(planned.name or "", outcome.headers.get("content-type"))
         elif outcome.status == 404:
             guess.exists = False
 
