@@ -241,3 +241,31 @@ async def test_a_segment_of_only_a_close_is_never_sealed_by_age() -> None:
         assert log is not None and not log.should_seal(1e15, 0.01)
         assert await log.seal_idle() is False
         assert (await call(service, "GET", "done", query="offset=-1")).header("Stream-Closed") == "true"
+
+
+async def test_a_failed_writes_undo_stays_cut_when_its_sync_fails() -> None:
+    """Found by the simulation (seeds 232, 252, 277 under syncfs): a failed syncfs wrote a failed
+    append to disk, the undo's cut was followed by a failed fdatasync, and the simulated file
+    system dropped the cut with the failed write's pages. At the next power cut the failed append
+    came back, or (after a rotation) its segment overlapped the next and the stream was skipped.
+    A cut is journaled metadata: it stays pending, and the next successful sync keeps it."""
+    fs = new_fs()
+    options: dict[str, Any] = {"sync_method": "syncfs", "segment_max_messages": 2}
+    async with server(fs, **options) as (service, _):
+        await call(service, "PUT", "s", b"kept;", T)
+        real_syncfs = fs.syncfs
+
+        def syncfs(fd: int) -> None:  # writeback wrote this stream's file; another one's failed
+            fs.syncfs = real_syncfs  # type: ignore[method-assign]
+            fs.sync()
+            fs.faults.force("eio", "fdatasync")  # and the undo's own sync fails too
+            raise OSError(errno.EIO, "Input/output error")
+
+        fs.syncfs = syncfs  # type: ignore[method-assign]
+        assert (await call(service, "POST", "s", b"failed;", T)).status == 503
+        assert (await call(service, "POST", "s", b"next;", T)).status == 204
+        assert (await call(service, "POST", "s", b"rotated;", T)).status == 204  # a new segment
+    fs = fs.power_cut(random.Random(1))
+    async with server(fs, **options) as (service, _):
+        assert (await call(service, "GET", "s", query="offset=-1")).body == b"kept;next;rotated;"
+
