@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from ops.torture.simfs import FaultPlan, SimFileSystem
 from streamkeep.actors.supervisor import Supervisor
@@ -241,3 +242,67 @@ async def test_a_segment_of_only_a_close_is_never_sealed_by_age() -> None:
         assert log is not None and not log.should_seal(1e15, 0.01)
         assert await log.seal_idle() is False
         assert (await call(service, "GET", "done", query="offset=-1")).header("Stream-Closed") == "true"
+
+
+async def test_a_failed_writes_undo_stays_cut_when_its_sync_fails() -> None:
+    """Found by the simulation (seeds 232, 252, 277 under syncfs): a failed syncfs wrote a failed
+    append to disk, the undo's cut was followed by a failed fdatasync, and the simulated file
+    system dropped the cut with the failed write's pages. At the next power cut the failed append
+    came back, or (after a rotation) its segment overlapped the next and the stream was skipped.
+    A cut is journaled metadata: it stays pending, and the next successful sync keeps it."""
+    fs = new_fs()
+    options: dict[str, Any] = {"sync_method": "syncfs", "segment_max_messages": 2}
+    async with server(fs, **options) as (service, _):
+        await call(service, "PUT", "s", b"kept;", T)
+        real_syncfs = fs.syncfs
+
+        def syncfs(fd: int) -> None:  # writeback wrote this stream's file; another one's failed
+            fs.syncfs = real_syncfs  # type: ignore[method-assign]
+            fs.sync()
+            fs.faults.force("eio", "fdatasync")  # and the undo's own sync fails too
+            raise OSError(errno.EIO, "Input/output error")
+
+        fs.syncfs = syncfs  # type: ignore[method-assign]
+        assert (await call(service, "POST", "s", b"failed;", T)).status == 503
+        assert (await call(service, "POST", "s", b"next;", T)).status == 204
+        assert (await call(service, "POST", "s", b"rotated;", T)).status == 204  # a new segment
+    fs = fs.power_cut(random.Random(1))
+    async with server(fs, **options) as (service, _):
+        assert (await call(service, "GET", "s", query="offset=-1")).body == b"kept;next;rotated;"
+
+
+async def test_a_read_that_races_a_delete_is_a_404() -> None:
+    """Found by the simulation (seed 277): a read found a segment file gone because a delete had
+    just moved the stream into trash/, but the delete had not yet marked the stream deleted, so the
+    read answered 503 "segment file ... is missing". It waits for the delete's outcome now."""
+    reading, files_gone, read_failed = trio.Event(), trio.Event(), trio.Event()
+
+    async def steered(fn: Any, *args: Any, limiter: Any = None) -> Any:
+        name = getattr(fn, "__name__", "")
+        if name == "pread_exact" and not reading.is_set():
+            reading.set()  # the read is on its way to the file, and the delete starts
+            await files_gone.wait()
+            try:
+                return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+            except FileNotFoundError:
+                read_failed.set()
+                raise
+        result = await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        if name == "_delete_files":  # moved to trash/; not yet marked deleted
+            files_gone.set()
+            await read_failed.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the read answers, or waits for this
+        return result
+
+    async with server(new_fs(), cache_bytes=0, run_sync=steered) as (service, _):
+        await call(service, "PUT", "s", b"x;", T)
+        answers = []
+
+        async def read() -> None:
+            answers.append(await call(service, "GET", "s", query="offset=-1"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await reading.wait()
+            assert (await call(service, "DELETE", "s")).status == 204
+        assert answers[0].status == 404, answers[0].body

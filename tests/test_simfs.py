@@ -350,6 +350,26 @@ def test_a_failed_fsync_loses_the_data_even_if_a_retry_succeeds() -> None:
         assert files.read_file(fs.power_cut(random.Random(seed)), "/data/log") == b""
 
 
+def test_a_failed_fsync_keeps_a_truncation_for_the_next_sync() -> None:
+    """A truncation is a size change in the journal, not a dirty page: a failed fsync does not
+    drop it, and the next sync that succeeds makes it durable. (Dropping it, as this file system
+    once did, brought back at the next power cut what a failed write's undo had cut off.)"""
+    for seed in range(20):
+        faults = FaultPlan(random.Random(seed))
+        fs = SimFileSystem(faults=faults)
+        files.makedirs(fs, "/data")
+        fd = fs.open("/data/log", W)
+        files.pwrite_all(fs, fd, b"kept" + b"failed", 0)
+        fs.sync()  # the failed write reached the disk (another file's writeback failed)
+        fs.ftruncate(fd, 4)  # the undo
+        files.pwrite_all(fs, fd, b"lost", 10)  # pages dirtied after the cut: these do go
+        faults.force("eio", "fdatasync")
+        with pytest.raises(OSError):
+            fs.fdatasync(fd)
+        fs.fdatasync(fd)
+        assert files.read_file(fs.power_cut(random.Random(seed)), "/data/log") == b"kept"
+
+
 def test_enospc_at_fsync_also_loses_the_unsynced_writes() -> None:
     faults = FaultPlan(random.Random(1))
     fs = SimFileSystem(faults=faults)

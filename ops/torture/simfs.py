@@ -20,7 +20,8 @@ any prefix, and `rename(tmp, name)` before `fsync(tmp)` may leave `name` empty o
 Failed fsync is Linux's ("fsyncgate"): when fsync/fdatasync fails (EIO, or ENOSPC from delayed
 allocation) the file's unsynced writes are dropped from what can ever become durable (the kernel
 marked the pages clean) while reads still see them; a later fsync that succeeds does not bring
-them back, so code that retries fsync and then acknowledges loses data at the next power cut. Like
+them back, so code that retries fsync and then acknowledges loses data at the next power cut. Its
+unsynced truncations stay pending (metadata in the journal, not pages): the next sync keeps them. Like
 Linux's errseq, an fd opened before the failure reports EIO once at its next fsync.
 
 Space: `capacity` bytes of file content (sizes, not blocks). A file unlinked while open keeps its
@@ -620,7 +621,12 @@ class SimFileSystem:
 
     def _lose_unsynced(self, node: File) -> None:
         # The kernel marks the failed pages clean: reads still see them, no fsync will write them.
-        node.pending.clear()
+        # Only the writes go. A truncation is no dirty page but a change of the inode's size, in the
+        # file system's journal: a failed data writeback does not take it out of the journal, and
+        # the next journal commit (any later fsync or syncfs that succeeds) makes it durable. (A
+        # failed journal write shuts the file system down instead: no later fsync succeeds.) So a
+        # truncation that cuts off what a failed write left stays pending, to become durable.
+        node.pending[:] = [change for change in node.pending if isinstance(change, int)]
         node.errors += 1
 
     def _commit_file(self, node: File) -> None:

@@ -258,12 +258,18 @@ class DiskStorage:
             if self._logs.get(name) is not stream_log:
                 return
             keys = [entry["key"] for entry in stream_log.cold_entries]
+            # Reads take no lock: one that finds the files gone meanwhile waits for this outcome.
+            stream_log.deleting = trio.Event()
             try:
                 pending, uncertain = await self.run_io(self._delete_files, stream_log, keys)
             except OSError as error:
                 raise from_os_error(error, f"delete of {name!r}") from None
-            stream_log.deleted = True
-            del self._logs[name]
+            else:
+                stream_log.deleted = True
+                del self._logs[name]
+            finally:
+                stream_log.deleting.set()
+                stream_log.deleting = None
         self.budget.release(stream_log.tail - stream_log.meta.fork_base)
         if uncertain is not None:  # its objects stay: a power cut may bring the stream back
             raise not_durable(f"delete of {name!r}", uncertain)

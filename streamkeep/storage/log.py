@@ -77,6 +77,7 @@ class DiskLog:
         self.io_lock = trio.Lock()
         self.dirty = False  # written but not yet synced (fsync=interval)
         self.deleted = False
+        self.deleting: trio.Event | None = None  # set when a delete in progress has its outcome
         self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier
 
     # ---- state views --------------------------------------------------------------------
@@ -428,6 +429,10 @@ class DiskLog:
             try:
                 data = await storage.run_io(files.pread_exact, storage.fs, segment.path, begin, length)
             except FileNotFoundError:
+                # A delete may have moved the files away and not yet said so (it sets `deleted`
+                # when its file work returns): a stream deleted meanwhile is a 404, not a 503.
+                if self.deleting is not None:
+                    await self.deleting.wait()
                 if self.deleted:
                     raise StreamDeleted() from None
                 if segment.cold_key is None:
