@@ -249,3 +249,43 @@ async def test_a_clean_stop_syncs_what_the_relaxed_modes_left(tmp_path: Path, fs
         nursery.cancel_scope.cancel()
     await storage.stop()
     assert not any(ledger.unsynced.values())
+
+
+async def test_a_failed_write_that_cannot_be_cut_off_says_it_may_survive(tmp_path: Path) -> None:
+    """A failed sync whose undo fails too (the truncate or its sync): the bytes may still be on
+    disk after a power cut, so the append is answered 503 `not_durable` ("may have happened"),
+    not a plain failure a client would repeat. (Found by the simulation, seed 403 always/syncfs.)
+    Once the disk heals, the next write cuts them off first."""
+    fs = FaultyFS()
+    async with storage_on(tmp_path, fs) as storage:
+        log = await storage.create(new_meta("uncut"), [b"kept;"])
+        fs.script("fdatasync", eio)
+        fs.script("ftruncate", eio)
+        with pytest.raises(StorageUnavailable) as failed:
+            await log.submit(record(log, b"maybe;")).wait()
+        assert failed.value.status == 503 and failed.value.code == "not_durable", failed.value
+        assert "power loss may still keep it" in str(failed.value)
+        fs.clear()
+        assert await log.submit(record(log, b"after;")).wait() == len(b"kept;after;")
+    data = (tmp_path / "streams" / "uncut" / "0000000000000000.seg").read_bytes()
+    assert data.endswith(b"after;") and b"maybe;" not in data
+
+
+async def test_a_failed_write_that_was_cut_off_is_a_plain_failure(tmp_path: Path) -> None:
+    """The same failed sync with an undo that works: a plain 503, nothing of it left."""
+    fs = FaultyFS()
+    async with storage_on(tmp_path, fs) as storage:
+        log = await storage.create(new_meta("cut"), [b"kept;"])
+        fails = iter([True])
+
+        def once(real: Any, fd: int) -> None:
+            if next(fails, False):
+                raise OSError(errno.EIO, "Input/output error")
+            real(fd)
+
+        fs.script("fdatasync", once)
+        with pytest.raises(StorageUnavailable) as failed:
+            await log.submit(record(log, b"gone;")).wait()
+        assert failed.value.status == 503 and failed.value.code == "storage_unavailable", failed.value
+    data = (tmp_path / "streams" / "cut" / "0000000000000000.seg").read_bytes()
+    assert b"gone;" not in data

@@ -142,8 +142,7 @@ class Committer:
                 self._syncfs()
             except OSError as error:
                 for batch in written:
-                    batch.error = error
-                    batch.log.writer.undo_unsynced(batch.plan, batch.log.active_segment)
+                    batch.error = batch.log.writer.undo_unsynced(batch.plan, batch.log.active_segment, error)
                 return
             for batch in written:
                 batch.log.writer.mark_synced(batch.plan)

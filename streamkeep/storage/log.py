@@ -34,7 +34,14 @@ from streamkeep.storage.errors import StorageUnavailable, StreamDeleted, from_os
 from streamkeep.storage.files import FileSystem
 from streamkeep.storage.index import Entry, RecordIndex, Segment, TailCache
 from streamkeep.storage.tiering import ColdTier
-from streamkeep.storage.writer import Pending, ReadOnly, SegmentLimits, SegmentWriter, plan_batch
+from streamkeep.storage.writer import (
+    NotTakenBack,
+    Pending,
+    ReadOnly,
+    SegmentLimits,
+    SegmentWriter,
+    plan_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +228,14 @@ class DiskLog:
 
     def _storage_error(self, error: Exception) -> Exception:
         what = f"append to {self.meta.name!r}"
+        if isinstance(error, NotTakenBack):
+            return StorageUnavailable(
+                f"{what} failed ({error.strerror}), and what it wrote could not be cut off again: it "
+                "is not served, but a power loss may still keep it; a producer's retry is safe, "
+                "check the stream before repeating a plain append",
+                status=503,
+                code="not_durable",
+            )
         if isinstance(error, OSError):
             return from_os_error(error, what)
         if isinstance(error, ReadOnly):

@@ -124,6 +124,15 @@ class ReadOnly(Exception):
     """The stream's published records no longer verify on disk: it takes no more appends."""
 
 
+class NotTakenBack(OSError):
+    """A failed write whose bytes could not be cut off the segment again (the undo's own truncate
+    or sync failed too): the append is not served, but a power cut may still keep it on disk."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror)
+        self.cause = cause
+
+
 class SegmentWriter:
     """Owns the active segment's descriptor. Every method runs in a worker thread while the stream's
     I/O lock is held, so no two of them ever touch the descriptor at once."""
@@ -161,8 +170,9 @@ class SegmentWriter:
                     files.pwrite_all(fs, fd, part.data, part.offset)
                     if sync:
                         fs.fdatasync(fd)
-        except OSError:
-            self._undo(active, opened)
+        except OSError as error:
+            if not self._undo(active, opened):
+                raise NotTakenBack(error) from error
             raise
         if opened:  # the newest segment is the active one now; the ones before it are sealed
             for superseded in [self._fd, *(fd for _, fd in opened[:-1])]:
@@ -178,11 +188,16 @@ class SegmentWriter:
         last = plan.parts[-1]
         self.synced_size = last.offset + len(last.data)
 
-    def undo_unsynced(self, plan: WritePlan, active: Segment) -> None:
-        """A round's shared sync (syncfs) failed after this batch was written: take it back."""
-        self._undo(active, [(part.segment, -1) for part in plan.parts if part.new])
+    def undo_unsynced(self, plan: WritePlan, active: Segment, error: OSError) -> OSError:
+        """A round's shared sync (syncfs) failed after this batch was written: take it back.
+        Returns the error to answer with."""
+        if self._undo(active, [(part.segment, -1) for part in plan.parts if part.new]):
+            return error
+        return NotTakenBack(error)
 
-    def _undo(self, active: Segment, opened: list[tuple[Segment, int]]) -> None:
+    def _undo(self, active: Segment, opened: list[tuple[Segment, int]]) -> bool:
+        """Takes back a failed write; False if that could not be made durable (retried before the
+        next write, but until then a power cut may keep what the failed write left)."""
         fs = self.fs
         for segment, fd in opened:
             if fd >= 0 and fd != self._fd:
@@ -201,7 +216,8 @@ class SegmentWriter:
         try:
             self.repair(active)
         except (OSError, ReadOnly):
-            pass  # tried again before the next write
+            return False
+        return True
 
     def repair(self, active: Segment) -> None:
         """Reopens the active segment, re-verifies its last acknowledged record, cuts off whatever a
