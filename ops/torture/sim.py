@@ -384,10 +384,12 @@ class Simulation:
             finally:
                 self.history.end(started, outcome)
                 self._feed()
+                # Also when the epoch's end cancels the call: the client learns its answer was
+                # lost (a producer then retries the same body and seq, as a real one would).
+                if planned.name is None or planned.name in self.view.streams:
+                    REGISTRY[planned.op].after(ctx, planned, outcome)
         if planned.call.mode in ("vanish", "cut_body", "send_and_vanish"):
             self._event(self.history.fault("client_vanish", op=started.id, mode=planned.call.mode))
-        if planned.name is None or planned.name in self.view.streams:
-            REGISTRY[planned.op].after(ctx, planned, outcome)
         return outcome
 
     def hang(self, call: Call) -> None:
