@@ -377,3 +377,23 @@ def test_an_append_that_never_finished_its_body_must_not_appear() -> None:
     s.op("vanish_append", "txt/0", call, Outcome(None, error="body_cut"), params)
     s.read("txt/0", "-1", rec("w0.1") + rec("w0.2") + rec("w0.3") + rec("w0.4"), A, 32)
     assert "failed-append-present" in s.check()
+
+
+def test_a_disk_filled_while_a_mutator_ran_explains_its_507() -> None:
+    """A create, fork, close or delete is judged as soon as it ends; a disk filled while it ran
+    (the fault event between its start and its end) must explain its 507 (sim seed 294)."""
+    full = json.dumps({"error": {"code": "storage_full", "message": "the disk has 7758 bytes free"}})
+    s = Script()
+    params = {"content_type": "text/plain", "ttl": None, "expires_at": None, "closed": False}
+    started = s.history.start("create", "w0", "txt/0", params, Call("PUT", "/v1/stream/txt/0", headers=TEXT))
+    s.clock += 0.5
+    s.fault("disk_full")
+    s.clock += 0.5
+    s.history.end(started, Outcome(507, body=full, verdict=classify(507)))
+    s.clock += 1.0
+    s.fault("disk_freed")
+    assert s.check() == []
+    s = Script()
+    s.op("create", "txt/0", Call("PUT", "/v1/stream/txt/0", headers=TEXT), Outcome(507, body=full), params)
+    s.fault("disk_full")
+    assert s.check() == ["unexplained-503"]
