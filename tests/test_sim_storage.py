@@ -306,3 +306,66 @@ async def test_a_read_that_races_a_delete_is_a_404() -> None:
             await reading.wait()
             assert (await call(service, "DELETE", "s")).status == 204
         assert answers[0].status == 404, answers[0].body
+
+
+async def test_a_cold_read_of_a_stream_deleted_meanwhile_is_a_delete_not_a_bucket_failure() -> None:
+    """A read on its way to the bucket when its stream was deleted found the objects deleted
+    (rightly: the delete was durable) and answered 503 cold_tier_unavailable, a bucket failure no
+    fault explained (sim seed 126). It is the delete: StreamDeleted, as for a local segment."""
+    from ops.torture.sim import SimStore
+    from ops.torture.sims3 import SimS3
+    from streamkeep.protocol.stream import StreamMeta
+    from streamkeep.storage.archiver import Archiver
+    from streamkeep.storage.base import AppendRecord
+    from streamkeep.storage.coldstore import ColdConfig
+    from streamkeep.storage.errors import StreamDeleted
+
+    gate, waiting = trio.Event(), trio.Event()
+
+    class Gated(Archiver):
+        async def read(self, key: str, start: int, length: int) -> bytes:
+            waiting.set()
+            await gate.wait()  # the stream is deleted, and its objects with it, meanwhile
+            return await super().read(key, start, length)
+
+    fs = new_fs()
+    config = ColdConfig("archive", "sim", None, None, create_bucket=True)
+    s3 = SimS3(random.Random(0))
+    storage = DiskStorage(
+        ROOT,
+        budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26),
+        fs=fs,
+        segment_max_messages=1,
+        cache_bytes=0,
+    )
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        archiver = Gated(storage, SimStore(s3, config), config)
+        storage.cold = archiver
+        await trio.to_thread.run_sync(SimStore(s3, config).ensure_bucket)
+        meta = StreamMeta(name="s", stream_id="a1b2c3d4e5f6", content_type="text/plain", created_at=0.0)
+        log = await storage.create(meta, [b"0;"])
+        for i in range(1, 3):
+            await log.submit(AppendRecord([b"%d;" % i], log.meta, None, False, None)).wait()
+        await archiver.pass_once()
+        assert log.cold_entries and not log.segments[0].local  # the first segment is only in the bucket
+        outcome: list[object] = []
+
+        async def read() -> None:
+            try:
+                outcome.append(await log.read(0, 1 << 20, whole_messages=False))
+            except Exception as error:
+                outcome.append(error)
+
+        nursery.start_soon(read)
+        with trio.fail_after(5):
+            await waiting.wait()
+        await storage.delete("s")
+        await archiver.pass_once()  # deletes the objects of the deleted stream
+        assert not [key for key in s3.objects if "/s/" in key]
+        gate.set()
+        with trio.fail_after(5):
+            while not outcome:
+                await trio.sleep(0.01)
+        assert isinstance(outcome[0], StreamDeleted), outcome
+        nursery.cancel_scope.cancel()

@@ -475,3 +475,23 @@ def test_a_content_type_mismatch_is_a_409_without_offset_or_producer_headers() -
     s = _fork_of_binary_lost()
     s.fork("fork/1", "bin/0", 201, inc=B, **{"Content-Type": "text/plain"})
     assert "wrong-status" in s.check()
+
+
+def test_a_disk_filled_while_a_mutator_ran_explains_its_507() -> None:
+    """A create, fork, close or delete is judged as soon as it ends; a disk filled while it ran
+    (the fault event between its start and its end) must explain its 507 (sim seed 294)."""
+    full = json.dumps({"error": {"code": "storage_full", "message": "the disk has 7758 bytes free"}})
+    s = Script()
+    params = {"content_type": "text/plain", "ttl": None, "expires_at": None, "closed": False}
+    started = s.history.start("create", "w0", "txt/0", params, Call("PUT", "/v1/stream/txt/0", headers=TEXT))
+    s.clock += 0.5
+    s.fault("disk_full")
+    s.clock += 0.5
+    s.history.end(started, Outcome(507, body=full, verdict=classify(507)))
+    s.clock += 1.0
+    s.fault("disk_freed")
+    assert s.check() == []
+    s = Script()
+    s.op("create", "txt/0", Call("PUT", "/v1/stream/txt/0", headers=TEXT), Outcome(507, body=full), params)
+    s.fault("disk_full")
+    assert s.check() == ["unexplained-503"]

@@ -87,6 +87,14 @@ class Checker:
                 heapq.heappush(self._queue, (event.time, next(self._order), event))
         else:
             self.last_time = max(self.last_time, event.time)
+            # Its window is known at once: a mutator is judged as soon as it ends (above), before
+            # the queue reaches a fault that began while it ran (the queue waits for the earliest
+            # blocking operation in flight, which may be that mutator itself), and a 507 caused by
+            # a disk filled mid-operation must find the fault. Windows are by time, so knowing of a
+            # fault early changes no judgment of an operation that ended before it; the fault's
+            # effects on the model's state still apply in time order, from the queue.
+            assert isinstance(event, Fault)
+            self.model.faults.add(event)
             heapq.heappush(self._queue, (event.time, next(self._order), event))
         self._drain()
 

@@ -801,7 +801,8 @@ class Model:
     # ---- faults --------------------------------------------------------------------------
 
     def fault(self, fault: Fault) -> None:
-        self.faults.add(fault)
+        """A fault's effects on the model, in time order. Its window is already in `faults`: the
+        checker adds it when the event arrives (ops/torture/checker.py, `observe`)."""
         if fault.kind == "start_failed":
             self.finding(
                 "server-does-not-start",

@@ -473,6 +473,10 @@ class DiskLog:
         try:
             return await storage.cold.read(segment.cold_key, begin, length)
         except Exception as error:  # S3 down, timeouts, missing objects: never wrong or partial data
+            if self.deleted:
+                # Deleted while this read was on its way: its objects go once the delete is
+                # durable (DiskStorage.delete), so a missing object is the delete, not the bucket.
+                raise StreamDeleted() from None
             raise StorageUnavailable(
                 f"the cold tier could not serve {self.meta.name!r}: {error}; retry shortly",
                 status=503,
