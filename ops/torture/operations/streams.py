@@ -276,43 +276,48 @@ class Fork(Operation):
                     f"the fork starts at {base}",
                     [started.id],
                 )
-            ttl, expires = p["ttl"], None
-            if ttl is None:
-                ttl, expires = source.ttl, source.expires_at
-            inc = model.new_inc(
-                name,
-                number,
-                started,
-                json=source.json,
-                content_type=source.content_type,
-                source=source,
-                base=base,
-                ttl=ttl,
-                expires_at=expires,
-            )
-            source.forks.append(inc)
+            inc = _new_fork(model, name, number, started, source, base, p["ttl"])
             model.tail_floor(inc, base, started, ended, "fork")
             model.change(name, started, ended, lambda s: [State(inc)])
         elif outcome.verdict == AMBIGUOUS and source is not None:
             base = offset[1] if offset is not None and not p["sub_offset"] else 0
-            ttl, expires = (p["ttl"], None) if p["ttl"] is not None else (source.ttl, source.expires_at)
-            inc = model.new_inc(
-                name,
-                None,
-                started,
-                json=source.json,
-                content_type=source.content_type,
-                source=source,
-                base=base,
-                ttl=ttl,
-                expires_at=expires,
-                opaque=offset is None or bool(p["sub_offset"]),
-            )
-            source.forks.append(inc)
+            opaque = offset is None or bool(p["sub_offset"])
+            inc = _new_fork(model, name, None, started, source, base, p["ttl"], opaque=opaque)
             # The target may also have been freed meanwhile (expired, or reaped): see maybe_vacant.
             model.change(
                 name, started, ended, lambda s: [State(inc)] if model.maybe_vacant(s, ended.time) else [s]
             )
+
+
+def _new_fork(
+    model: Model,
+    name: str,
+    number: int | None,
+    started: OpStarted,
+    source: Incarnation,
+    base: int,
+    ttl: int | None,
+    *,
+    opaque: bool = False,
+) -> Incarnation:
+    """A fork's incarnation: its source's type, and its own TTL or else the source's lifetime."""
+    expires = None
+    if ttl is None:
+        ttl, expires = source.ttl, source.expires_at
+    inc = model.new_inc(
+        name,
+        number,
+        started,
+        json=source.json,
+        content_type=source.content_type,
+        source=source,
+        base=base,
+        ttl=ttl,
+        expires_at=expires,
+        opaque=opaque,
+    )
+    source.forks.append(inc)
+    return inc
 
 
 def _fork_type_mismatch(source: State, started: OpStarted) -> bool:
