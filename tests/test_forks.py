@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -128,3 +129,21 @@ def test_fork_offsets_continue_the_source_positions(fork_server: ServerProcess) 
         for token in (source_tail[:17] + f"{5:016d}", "0000000000000000_0000000000000005"):
             middle = client.get("/v1/stream/off-fork", params={"offset": token})
             assert middle.content == b"56789abc"
+
+
+def test_a_create_on_a_source_that_expires_under_it_is_a_conflict(fork_server: ServerProcess) -> None:
+    """A PUT that finds its path's stream expired, with forks still reading it: the stream is
+    soft-deleted then and there, and the path is not free (409), not a 503 from a create that
+    ran into the stream's own files (found by the simulation, seed 125 never/fdatasync)."""
+    with httpx.Client(base_url=fork_server.url) as client:
+        created = client.put("/v1/stream/expiring-src", content=b"S;", headers={**CT, "Stream-TTL": "1"})
+        assert created.status_code == 201
+        fork_headers = {**CT, "Stream-Forked-From": "/v1/stream/expiring-src", "Stream-TTL": "60"}
+        assert client.put("/v1/stream/expiring-fork", headers=fork_headers).status_code == 201
+        time.sleep(2.2)  # past the source's TTL, with no request touching it meanwhile
+        again = client.put("/v1/stream/expiring-src", headers={**CT, "Stream-TTL": "1"})
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "stream_soft_deleted"
+        assert read(client, "expiring-fork").content == b"S;"  # the fork still reads its source
+        assert client.delete("/v1/stream/expiring-fork").status_code == 204
+        assert client.put("/v1/stream/expiring-src", headers=CT).status_code == 201  # free now

@@ -215,8 +215,7 @@ class StreamActor:
 
     # ---- handlers: each runs inside the actor's task ----------------------------------
 
-    async def create(self, spec: CreateSpec) -> tuple[int, StreamView]:
-        now = time.time()
+    def _refuse_soft_deleted_path(self) -> None:
         current = self._storage.open(self.name)
         if current is not None and current.meta.soft_deleted:
             raise ProtocolError(
@@ -225,10 +224,16 @@ class StreamActor:
                 "this path belonged to a stream that was deleted while forks still read it; "
                 "it can be reused once those forks are deleted",
             )
+
+    async def create(self, spec: CreateSpec) -> tuple[int, StreamView]:
+        now = time.time()
+        self._refuse_soft_deleted_path()
         try:
             existing = await self._existing(now)
         except ProtocolError:
             existing = None
+            # It may have expired just now, and been soft-deleted because forks still read it.
+            self._refuse_soft_deleted_path()
         if existing is not None:
             if not spec.matches(existing.meta):
                 raise ProtocolError(
