@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import trio
 
 from ops.serverproc import ROOT
 from ops.torture import sim
@@ -92,3 +93,20 @@ def test_the_simulation_catches_a_short_write_taken_for_success(monkeypatch: pyt
     assert kinds & {"ack-not-at-position", "acks-overlap", "tail-went-back", "record-mangled"}, kinds
     text = sim.report(failed[0])
     assert f"replay: python -m ops.torture sim --seed {failed[0].config.seed} " in text
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the aborted run's
+def test_a_seed_that_never_ends_is_a_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A livelock (tasks that run without ever waiting) stops mock time, so no timeout in the run
+    can fire: a real-time limit ends the seed with a finding instead of hanging the sweep."""
+
+    async def spin(_self: sim.Simulation) -> None:
+        while True:
+            await trio.lowlevel.checkpoint()
+
+    monkeypatch.setattr(sim.Simulation, "run", spin)
+    result = sim.run(sim.SimConfig(seed=1, ops=10, real_time_limit=1.0))
+    assert not result.ok
+    assert any("livelock" in finding.message for finding in result.findings), result.findings
+    monkeypatch.undo()  # the process goes on to the next seed as if nothing happened
+    assert sim.run(sim.SimConfig(seed=2, ops=100)).ok

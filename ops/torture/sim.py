@@ -35,10 +35,13 @@ import hashlib
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +84,7 @@ class SimConfig:
     fsync_interval: float = 1.0
     capacity: int = 8 << 20  # the disk fills only when the fault task says so (a ballast file)
     power_cuts: bool | None = None  # None: only under --fsync always (see the module's docstring)
+    real_time_limit: float = 0.0  # seconds; 0: max(120, ops / 10), far above any seed's run
     cold: bool = True
     segment_max_bytes: int = 4096
     segment_max_messages: int = 6
@@ -592,6 +596,30 @@ class _all:
             lock.release()
 
 
+class RanTooLong(Exception):
+    """A seed ran far longer in real time than any seed takes: a livelock (tasks that keep
+    running without ever waiting, so mock time stands still and no timeout can fire)."""
+
+
+@contextmanager
+def _real_time_limit(seconds: float) -> Iterator[None]:
+    """Raises RanTooLong into the run after `seconds` of real time (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(_signum: int, _frame: object) -> None:
+        raise RanTooLong(f"the seed ran for {seconds:.0f} s of real time without ending: a livelock?")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run(config: SimConfig) -> SimResult:
     """One seed, start to verdict. Deterministic: the same config gives the same result."""
     logging.disable(logging.CRITICAL)  # the server logs every injected fault; the verdict is ours
@@ -605,7 +633,8 @@ def run(config: SimConfig) -> SimResult:
             simulation = Simulation(config, determinism)
             crashed = None
             try:
-                trio.run(simulation.run, clock=simthreads.mock_clock())
+                with _real_time_limit(config.real_time_limit or max(120.0, config.ops * 0.1)):
+                    trio.run(simulation.run, clock=simthreads.mock_clock())
             except BaseException as error:  # the server (or the harness) died: a finding in itself
                 crashed = "".join(traceback.format_exception(error))[-3000:]
             simulation._feed()
