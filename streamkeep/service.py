@@ -21,7 +21,7 @@ from streamkeep.health import Health
 from streamkeep.live import Batch, LiveStream, ReadView
 from streamkeep.protocol import offsets, responses, sse
 from streamkeep.protocol.cursor import response_cursor
-from streamkeep.protocol.errors import ProtocolError, bad_request
+from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
 from streamkeep.protocol.model import Framed, PushTarget, Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
 from streamkeep.protocol.offsets import Offset
@@ -336,7 +336,16 @@ class Service:
                     return Response(204, headers)
                 if not await reader.live.wait_beyond(position, deadline) or self.shutting_down:
                     continue  # timed out or stopping: answered at the top of the loop
-                view, batch = await self._next_view(reader, position)
+                try:
+                    view, batch = await self._next_view(reader, position)
+                except ProtocolError as error:
+                    # The re-read carries this incarnation's token, which the client may never have
+                    # sent (offset=now or -1). Past a tail it reached, it can only fail because the
+                    # stream was deleted, expired or replaced during the wait: the stream waited on
+                    # is gone, a 404, not a 400/410 about an offset the client did not ask for.
+                    if error.code in ("offset_out_of_range", "offset_of_deleted_stream"):
+                        raise not_found(name) from None
+                    raise
         body = None
         up_to_date = None
         if batch is not None:  # a shared read, maybe kept a while: at the tail only if nothing came since

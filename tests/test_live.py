@@ -13,11 +13,16 @@ import h11
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from ops.serverproc import ServerProcess, start
 from streamkeep.actors.stream_actor import StreamView
+from streamkeep.actors.supervisor import Supervisor
 from streamkeep.live import LiveStream, ReadView
+from streamkeep.protocol.model import Headers, Request
 from streamkeep.protocol.stream import StreamMeta
+from streamkeep.service import Service, ServiceOptions
+from streamkeep.storage.memory import MemoryStorage
 
 
 @pytest.fixture(scope="module")
@@ -377,3 +382,37 @@ def test_a_long_poll_answered_from_the_kept_window_is_not_up_to_date_if_more_cam
     time.sleep(0.2)
     polled = httpx.get(url, params={"offset": tail, "live": "long-poll"})
     assert polled.content == b"first;" and "stream-up-to-date" not in polled.headers
+
+
+async def test_a_long_poll_at_now_whose_stream_expires_and_is_created_again_is_answered_404(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the sim (seed 96, interval/syncfs): a long-poll at `offset=now` waited on a stream
+    with a `Stream-Expires-At`; it expired and was created again (one actor message: the PUT finds
+    it expired, removes it, creates the new one), and the waiter's re-read carried the old
+    incarnation's token at the old tail, past the new stream's tail: the client got 400
+    `offset_out_of_range` for an offset it never sent. The stream it waited on is gone: 404."""
+    now = [1_700_000_000.0]
+    monkeypatch.setattr("streamkeep.actors.stream_actor.time.time", lambda: now[0])
+    async with trio.open_nursery() as nursery:
+        service = Service(
+            Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), nursery),
+            ServiceOptions(long_poll_timeout=30.0),
+        )
+        plain = Headers([("Content-Type", "text/plain")])
+        expiring = Headers([("Content-Type", "text/plain"), ("Stream-Expires-At", "2023-11-14T22:13:30Z")])
+        path = "/v1/stream/replaced"
+        assert (await service.handle(Request("PUT", path, "", expiring, b""))).status == 201
+        assert (await service.handle(Request("POST", path, "", plain, b"some bytes"))).status == 204
+        answers: list[int] = []
+
+        async def poll() -> None:
+            answers.append((await service.handle(Request("GET", path, "offset=now&live=long-poll"))).status)
+
+        nursery.start_soon(poll)
+        await trio.testing.wait_all_tasks_blocked()
+        now[0] += 60  # past Stream-Expires-At; nobody notices until the next request
+        assert (await service.handle(Request("PUT", path, "", plain, b""))).status == 201
+        await trio.testing.wait_all_tasks_blocked()
+        assert answers == [404]
+        nursery.cancel_scope.cancel()
