@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -289,3 +290,44 @@ async def test_a_failed_write_that_was_cut_off_is_a_plain_failure(tmp_path: Path
         assert failed.value.status == 503 and failed.value.code == "storage_unavailable", failed.value
     data = (tmp_path / "streams" / "cut" / "0000000000000000.seg").read_bytes()
     assert b"gone;" not in data
+
+
+async def test_an_append_is_not_refused_for_a_close_that_then_fails(tmp_path: Path) -> None:
+    """An append racing a close got 409 stream_closed as soon as the close was accepted; the
+    close's write then failed (a full disk) and was taken back, and the next append was taken:
+    the stream had been reported closed and then grew (torture seed 55, --fsync never)."""
+    fs = FaultyFS()
+    entered, release = threading.Event(), threading.Event()
+
+    def stalled_enospc(*_: Any) -> Any:
+        entered.set()
+        release.wait(10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async with storage_on(tmp_path, fs) as storage:
+        service = Service(Supervisor(storage, storage.nursery), ServiceOptions())  # type: ignore[attr-defined]
+        put = Request("PUT", "/v1/stream/c", "", Headers([("Content-Type", "text/plain")]), b"")
+        assert (await service.handle(put)).status == 201
+        close = Request("POST", "/v1/stream/c", "", Headers([("Stream-Closed", "true")]), b"")
+
+        def post(body: bytes) -> Request:
+            return Request("POST", "/v1/stream/c", "", Headers([("Content-Type", "text/plain")]), body)
+
+        answers: dict[str, int] = {}
+
+        async def send(key: str, request: Request) -> None:
+            answers[key] = (await service.handle(request)).status
+
+        fs.script("pwrite", stalled_enospc)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, "close", close)
+            while not entered.is_set():  # the close is accepted, its write under way
+                await trio.sleep(0.005)
+            nursery.start_soon(send, "append", post(b"racing;"))
+            await trio.sleep(0.2)  # the append is planned against the accepted close
+            release.set()
+        fs.clear()
+        assert answers["close"] >= 500
+        # Not "closed": the close was never made. A 503 (retry) is the honest answer.
+        assert answers["append"] != 409, answers
+        assert (await service.handle(post(b"after;"))).status == 204

@@ -57,12 +57,17 @@ class PendingAppend:
     outcome: AppendOutcome
     incarnation: int  # of the stream's offset tokens
     name: str
+    # Raised instead of answering `outcome` once `commit` is durable (a conflict with a close
+    # that was accepted but is not yet durable).
+    conflict: ProtocolError | None = None
 
     async def wait(self) -> AppendOutcome:
         try:
             await self.commit.wait()
         except STORAGE_ERRORS as error:
             raise as_protocol_error(error, self.name) from None
+        if self.conflict is not None:
+            raise self.conflict
         return self.outcome
 
 
@@ -372,7 +377,18 @@ class StreamActor:
         stream_log = await self._existing(now)
         stream_log.meta.last_access = now
         state = rules.StreamState(stream_log.meta, stream_log.producers, stream_log.tail)
-        plan = rules.plan_append(state, spec)
+        try:
+            plan = rules.plan_append(state, spec)
+        except ProtocolError as error:
+            if not (stream_log.meta.closed and not stream_log.published_closed):
+                raise
+            # "Stream closed" about a close still being written: the close may yet fail and be
+            # taken back (a full disk), and then the stream was never closed. Answer once the
+            # close is durable; if it fails, this append fails with it (a 503 to retry).
+            outcome = AppendOutcome(409, state.tail, True)
+            return PendingAppend(
+                stream_log.latest_commit(), outcome, stream_log.meta.incarnation, self.name, error
+            )
         if isinstance(plan, AppendOutcome):
             # A duplicate or an idempotent close: answer once what it repeats is durable.
             return PendingAppend(stream_log.latest_commit(), plan, stream_log.meta.incarnation, self.name)
