@@ -84,7 +84,7 @@ class SimConfig:
     fsync_interval: float = 1.0
     capacity: int = 8 << 20  # the disk fills only when the fault task says so (a ballast file)
     power_cuts: bool | None = None  # None: only under --fsync always (see the module's docstring)
-    real_time_limit: float = 0.0  # seconds; 0: max(120, ops / 10), far above any seed's run
+    real_time_limit: float = 0.0  # seconds; 0: max(60, ops / 50), ten times any seed's run
     cold: bool = True
     segment_max_bytes: int = 4096
     segment_max_messages: int = 6
@@ -633,7 +633,7 @@ def run(config: SimConfig) -> SimResult:
             simulation = Simulation(config, determinism)
             crashed = None
             try:
-                with _real_time_limit(config.real_time_limit or max(120.0, config.ops * 0.1)):
+                with _real_time_limit(config.real_time_limit or max(60.0, config.ops * 0.02)):
                     trio.run(simulation.run, clock=simthreads.mock_clock())
             except BaseException as error:  # the server (or the harness) died: a finding in itself
                 crashed = "".join(traceback.format_exception(error))[-3000:]
