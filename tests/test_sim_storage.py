@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -369,3 +370,64 @@ async def test_a_cold_read_of_a_stream_deleted_meanwhile_is_a_delete_not_a_bucke
                 await trio.sleep(0.01)
         assert isinstance(outcome[0], StreamDeleted), outcome
         nursery.cancel_scope.cancel()
+
+
+async def test_an_upload_gives_back_a_deleted_streams_descriptor_at_its_next_retry() -> None:
+    """An upload holds a descriptor of its segment; when the stream is deleted meanwhile, boto3's
+    retries and timeouts (minutes against a frozen bucket) kept the deleted file's blocks pinned
+    (the black box's fd-leak finding, seed 12 interval/ext4). The reader now refuses once its
+    stream is deleted, so the next retry ends the upload and the descriptor is closed."""
+    import threading
+
+    from ops.torture.sim import SimStore
+    from ops.torture.sims3 import SimS3
+    from streamkeep.protocol.stream import StreamMeta
+    from streamkeep.storage.archiver import Archiver
+    from streamkeep.storage.base import AppendRecord
+    from streamkeep.storage.coldstore import ColdConfig
+
+    failed_once, frozen = threading.Event(), threading.Event()
+
+    class Flaky(SimStore):
+        def upload(self, reader: Any, key: str, size: int, sha256: str) -> None:
+            reader.seek(0)
+            reader.read(size)
+            failed_once.set()  # "connection closed before a response": boto3 retries after a pause
+            time.sleep(0.3)
+            reader.seek(0)
+            reader.read(size)  # the retry reads the body again
+            frozen.wait(30)  # and the bucket does not answer
+            super().upload(reader, key, size, sha256)
+
+    fs = new_fs()
+    config = ColdConfig("archive", "sim", None, None, create_bucket=True)
+    s3 = SimS3(random.Random(0))
+    storage = DiskStorage(
+        ROOT,
+        budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26),
+        fs=fs,
+        segment_max_messages=1,
+        cache_bytes=0,
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            await storage.start(nursery)
+            archiver = Archiver(storage, Flaky(s3, config), config)
+            storage.cold = archiver
+            await trio.to_thread.run_sync(SimStore(s3, config).ensure_bucket)
+            meta = StreamMeta(name="s", stream_id="a1b2c3d4e5f6", content_type="text/plain", created_at=0.0)
+            log = await storage.create(meta, [b"0;"])
+            await log.submit(AppendRecord([b"1;"], log.meta, None, False, None)).wait()
+            nursery.start_soon(archiver.pass_once)
+            with trio.fail_after(5):
+                while not failed_once.is_set():
+                    await trio.sleep(0.01)
+            await storage.delete("s")
+            with trio.fail_after(5):  # well before the frozen bucket would let the upload go
+                while any("/streams/s/" in path for path in fs.open_fds().values()):
+                    await trio.sleep(0.05)
+            assert not frozen.is_set()
+            assert "cold tier upload" not in str(archiver.health.stats()), archiver.health.stats()
+            nursery.cancel_scope.cancel()
+    finally:
+        frozen.set()

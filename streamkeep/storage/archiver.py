@@ -198,7 +198,13 @@ class Archiver:
         key = self.config.key(stream_log.directory.name, stream_log.meta.stream_id, segment.path.name)
         try:
             size, sha256 = await self.io(digest, fs, fd)
-            await self.io(self.store.upload, FdReader(fs, fd, size), key, size, sha256)
+            reader = FdReader(fs, fd, size, wanted=lambda: not stream_log.deleted)
+            await self.io(self.store.upload, reader, key, size, sha256)
+        except Exception:
+            if not stream_log.deleted:
+                raise
+            self.forget(None, [key])  # deleted meanwhile: whatever reached the bucket is an orphan
+            return
         finally:
             fs.close(fd)
         entry = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 from urllib.parse import urlsplit
@@ -196,12 +197,20 @@ class S3Store:
         self.client.copy({"Bucket": self.config.bucket, "Key": source}, self.config.bucket, target)
 
 
+class UploadAbandoned(Exception):
+    """An upload stopped because nobody wants the object any more (its stream was deleted)."""
+
+
 class FdReader(io.RawIOBase):
     """A seekable reader over a descriptor of our FileSystem (boto3 reads uploads through it), so
     an upload reads the inode the archiver opened, whatever happens to its path meanwhile."""
 
-    def __init__(self, fs: FileSystem, fd: int, size: int) -> None:
+    def __init__(self, fs: FileSystem, fd: int, size: int, wanted: Callable[[], bool] = lambda: True) -> None:
         self._fs, self._fd, self._size, self._at = fs, fd, size, 0
+        # Asked before every read: an upload whose stream was deleted stops at its next read (or
+        # at boto3's next retry, which reads the body again), and gives its descriptor back,
+        # rather than holding a deleted file's blocks through every retry and timeout.
+        self._wanted = wanted
 
     def readable(self) -> bool:
         return True
@@ -218,6 +227,8 @@ class FdReader(io.RawIOBase):
         return self._at
 
     def readinto(self, buffer: Any) -> int:
+        if not self._wanted():
+            raise UploadAbandoned("the stream was deleted during its upload")
         want = min(len(buffer), self._size - self._at)
         if want <= 0:
             return 0
