@@ -309,6 +309,17 @@ async def test_a_read_that_races_a_delete_is_a_404() -> None:
         assert answers[0].status == 404, answers[0].body
 
 
+def sealing_every_append(fs: SimFileSystem) -> DiskStorage:
+    """Disk storage that seals a segment after each append, so the archiver has work at once."""
+    return DiskStorage(
+        ROOT,
+        budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26),
+        fs=fs,
+        segment_max_messages=1,
+        cache_bytes=0,
+    )
+
+
 async def test_a_cold_read_of_a_stream_deleted_meanwhile_is_a_delete_not_a_bucket_failure() -> None:
     """A read on its way to the bucket when its stream was deleted found the objects deleted
     (rightly: the delete was durable) and answered 503 cold_tier_unavailable, a bucket failure no
@@ -332,13 +343,7 @@ async def test_a_cold_read_of_a_stream_deleted_meanwhile_is_a_delete_not_a_bucke
     fs = new_fs()
     config = ColdConfig("archive", "sim", None, None, create_bucket=True)
     s3 = SimS3(random.Random(0))
-    storage = DiskStorage(
-        ROOT,
-        budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26),
-        fs=fs,
-        segment_max_messages=1,
-        cache_bytes=0,
-    )
+    storage = sealing_every_append(fs)
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)
         archiver = Gated(storage, SimStore(s3, config), config)
@@ -402,13 +407,7 @@ async def test_an_upload_gives_back_a_deleted_streams_descriptor_at_its_next_ret
     fs = new_fs()
     config = ColdConfig("archive", "sim", None, None, create_bucket=True)
     s3 = SimS3(random.Random(0))
-    storage = DiskStorage(
-        ROOT,
-        budget=ByteBudget(max_stream_bytes=1 << 24, max_total_bytes=1 << 26),
-        fs=fs,
-        segment_max_messages=1,
-        cache_bytes=0,
-    )
+    storage = sealing_every_append(fs)
     try:
         async with trio.open_nursery() as nursery:
             await storage.start(nursery)
