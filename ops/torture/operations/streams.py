@@ -88,9 +88,7 @@ class Create(Operation):
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
         name, p, outcome = started.name or "", started.params, ended.outcome
-        append = model.appends.get(p["record"]) if p.get("record") else None
-        if append is not None:
-            model.attempt_ended(append, outcome.verdict)
+        append = _attempt_ended(model, started, outcome)
         states = model.states(name, started.time, ended.time)
         allowed: set[int] = set()
         for s in states:
@@ -287,6 +285,15 @@ class Fork(Operation):
             model.change(
                 name, started, ended, lambda s: [State(inc)] if model.maybe_vacant(s, ended.time) else [s]
             )
+
+
+def _attempt_ended(model: Model, started: OpStarted, outcome: Outcome) -> SentAppend | None:
+    """The append a create or close carried (params "record"), its attempt noted as ended."""
+    record = started.params.get("record")
+    append = model.appends.get(record) if record else None
+    if append is not None:
+        model.attempt_ended(append, outcome.verdict)
+    return append
 
 
 def _new_fork(
@@ -615,9 +622,7 @@ class Close(Operation):
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
         name, outcome = started.name or "", ended.outcome
-        append = model.appends.get(started.params["record"]) if started.params.get("record") else None
-        if append is not None:
-            model.attempt_ended(append, outcome.verdict)
+        append = _attempt_ended(model, started, outcome)
         states = model.states(name, started.time, ended.time)
         allowed: set[int] = set()
         for s in states:
