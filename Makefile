@@ -8,8 +8,8 @@ VENV_STAMP := $(VENV)/.installed
 NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
-.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart \
-	bench bench-quick bench-load bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean \
+.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
+	bench bench-quick bench-load bench-auth bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean \
 	torture
 
 venv: $(VENV_STAMP)
@@ -45,7 +45,7 @@ unit: $(VENV_STAMP) system-tools
 system-tools:
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v mkfs.ext4 >/dev/null || { apt-get update -qq && apt-get install -y -qq e2fsprogs; }
 
-conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart
+conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth
 
 conformance-h1: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance
@@ -56,6 +56,11 @@ conformance-h2: $(VENV_STAMP) $(NPM_STAMP)
 conformance-disk: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance --storage disk
 	$(PY) -m ops.run_conformance --storage disk --tls-h2
+
+# With auth on: the suite sends an admin token with every request (conformance/conformance.test.mjs).
+conformance-auth: $(VENV_STAMP) $(NPM_STAMP)
+	$(PY) -m ops.run_conformance --auth
+	$(PY) -m ops.run_conformance --auth --storage disk --tls-h2
 
 conformance-quart: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance --edge quart
@@ -76,7 +81,11 @@ $(BENCH_STAMP): ops/bench/package.json ops/bench/package-lock.json
 h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
 
-bench: bench-load bench-recovery bench-cold bench-spark
+bench: bench-load bench-auth bench-recovery bench-cold bench-spark
+
+## What auth (HS256, ES256 via JWKS), metrics and the access log cost an append, in one run.
+bench-auth: $(VENV_STAMP) h2load
+	$(PY) -m ops.bench_auth
 
 bench-quick: $(VENV_STAMP) $(BENCH_STAMP) h2load
 	$(PY) -m ops.loadtest --quick

@@ -6,10 +6,28 @@ import { runConformanceTests } from "@durable-streams/server-conformance-tests"
 const baseUrl = process.env.CONFORMANCE_TEST_URL
 if (!baseUrl) throw new Error("set CONFORMANCE_TEST_URL (ops/run_conformance.py does)")
 
-if (process.env.CONFORMANCE_HTTP2 === "1") {
-  // Node's fetch speaks HTTP/2 only through a dispatcher that allows it; the test CA comes in
-  // through NODE_EXTRA_CA_CERTS.
-  setGlobalDispatcher(new Agent({ allowH2: true }))
+// Node's fetch speaks HTTP/2 only through a dispatcher that allows it; the test CA comes in
+// through NODE_EXTRA_CA_CERTS.
+const agent = new Agent({ allowH2: process.env.CONFORMANCE_HTTP2 === "1" })
+const token = process.env.CONFORMANCE_AUTH_TOKEN
+if (token) {
+  // The suite has no option for credentials: with auth on, every request it makes carries this
+  // (admin) token, unless it sets Authorization itself (the subscriptions' callback tokens).
+  const withToken = (dispatch) => (options, handler) => {
+    const headers = options.headers ?? {}
+    const pairs = Array.isArray(headers) ? headers : Object.entries(headers)
+    const named = (name) => pairs.some((pair, index) =>
+      Array.isArray(headers) ? index % 2 === 0 && String(pair).toLowerCase() === name
+        : String(pair[0]).toLowerCase() === name)
+    if (named("authorization")) return dispatch(options, handler)
+    const added = Array.isArray(headers)
+      ? [...headers, "authorization", `Bearer ${token}`]
+      : { ...headers, authorization: `Bearer ${token}` }
+    return dispatch({ ...options, headers: added }, handler)
+  }
+  setGlobalDispatcher(agent.compose(withToken))
+} else {
+  setGlobalDispatcher(agent)
 }
 
 runConformanceTests({

@@ -24,6 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
             "(e.g. [server] port = 4437) or by an environment variable (e.g. DS_SERVER__PORT=4437); "
             "flags win over variables, variables over the file."
         ),
+        epilog=(
+            "Auth is off unless --auth-jwt-secret or --auth-jwks-url is given; then every request "
+            "needs Authorization: Bearer <jwt> (or ?token=<jwt> on a GET, for EventSource) whose scope "
+            "claim grants read:<glob>, append:<glob>, write:<glob> or admin on the stream name. "
+            "`streamkeep sign STREAM --ttl 1h` prints a signed read link. /metrics (Prometheus), "
+            "/healthz (liveness) and /readyz (readiness) are described in the README's "
+            "'Running in production'."
+        ),
     )
     serve.add_argument("--config", metavar="FILE", help="TOML file with [server], [limits], ... tables")
     for setting in config.SETTINGS:
@@ -33,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                 setting.cli_flag,
                 dest=config.cli_dest(setting),
                 action="store_const",
-                const=True,
+                const=not setting.default,  # a setting on by default has a --no-... flag
                 help=described,
             )
             continue
@@ -77,7 +85,113 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--data-dir", dest="storage_data_dir", default=None)
     migrate.add_argument("--cold-url", dest="cold_url", default=None)
     migrate.add_argument("--cold-endpoint", dest="cold_endpoint", default=None)
+    sign = commands.add_parser(
+        "sign",
+        help="print a signed link that grants reading one stream until it expires",
+        description="Prints a URL that lets whoever has it read STREAM (catch-up, long-poll, SSE) "
+        "until it expires, without a token. Signed with the server's link key (--auth-link-keys, "
+        "else DATA_DIR/keys/link-keys), not its JWT secret; `--rotate` starts a new key (links signed "
+        "with the last four keys keep working).",
+    )
+    sign.add_argument("stream", nargs="?", help="the stream's name, as in /v1/stream/NAME (decoded)")
+    sign.add_argument("--ttl", default="1h", help="how long the link works: 90s, 15m, 1h, 7d (default 1h)")
+    sign.add_argument(
+        "--base-url",
+        default=None,
+        help="where clients reach the server (default: http(s)://HOST:PORT from the settings)",
+    )
+    sign.add_argument("--rotate", action="store_true", help="start a new signing key in DATA_DIR first")
+    sign.add_argument("--config", metavar="FILE", help="TOML file, as for serve")
+    sign.add_argument("--data-dir", dest="storage_data_dir", default=None)
+    sign.add_argument("--auth-link-keys", dest="auth_link_keys", default=None)
     return parser
+
+
+_TTL_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_ttl(text: str) -> int:
+    """Seconds from `90`, `90s`, `15m`, `1h` or `7d`."""
+    value = text.strip().lower()
+    unit = value[-1:] if value[-1:] in _TTL_UNITS else "s"
+    number = value[:-1] if value[-1:] in _TTL_UNITS else value
+    if not number.isdigit() or int(number) <= 0:
+        raise ValueError(f"--ttl {text!r}: expected a duration like 90s, 15m, 1h or 7d")
+    return int(number) * _TTL_UNITS[unit]
+
+
+def _sign(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from streamkeep.auth import links, setup
+    from streamkeep.protocol.errors import ProtocolError
+    from streamkeep.protocol.names import check_stream_name
+
+    try:
+        settings = config.load(
+            args.config,
+            cli={"storage_data_dir": args.storage_data_dir, "auth_link_keys": args.auth_link_keys},
+        )
+        ttl = parse_ttl(args.ttl)
+    except (config.ConfigError, ValueError) as error:
+        print(f"streamkeep sign: {error}", file=sys.stderr)
+        return 2
+    data_dir = Path(settings.storage.data_dir)
+    if settings.storage.mode == "memory" and not settings.auth.link_keys:
+        print(
+            "streamkeep sign: a server with --storage memory keeps no key file; give it and this "
+            "command the same --auth-link-keys kid=SECRET",
+            file=sys.stderr,
+        )
+        return 2
+    if args.rotate:
+        if settings.auth.link_keys:
+            print(
+                "streamkeep sign: --rotate changes the key file in the data directory, but keys are "
+                "configured (--auth-link-keys): put a new kid=SECRET first in that list instead",
+                file=sys.stderr,
+            )
+            return 2
+        keys = links.LinkKeys.rotate(data_dir / setup.LINK_KEYS_FILE)
+        print(f"new signing key {keys.current}; restart the server (or servers) to sign and accept it", file=sys.stderr)
+        if not args.stream:
+            return 0
+    if not args.stream:
+        print("streamkeep sign: name the stream to sign a link for (streamkeep sign STREAM)", file=sys.stderr)
+        return 2
+    try:
+        check_stream_name(args.stream)
+    except ProtocolError as error:
+        print(f"streamkeep sign: {error.message}", file=sys.stderr)
+        return 2
+    try:
+        keys = setup.link_keys(settings, data_dir)
+    except (OSError, ValueError) as error:
+        print(f"streamkeep sign: cannot read the link keys: {error}", file=sys.stderr)
+        return 1
+    if keys is None:
+        print("streamkeep sign: no link keys: give --auth-link-keys or --data-dir", file=sys.stderr)
+        return 2
+    expires_at = int(time.time()) + ttl
+    base = args.base_url or _default_base_url(settings)
+    print(links.link_url(base, args.stream, links.sign(keys, args.stream, expires_at)))
+    print(
+        f"reads {args.stream!r} until {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(expires_at))} "
+        f"(key {keys.current})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _default_base_url(settings) -> str:  # type: ignore[no-untyped-def]
+    scheme = "https" if settings.tls.cert else "http"
+    host = settings.server.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{settings.server.port}"
 
 
 def _offline_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -136,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         return _archive(args)
     if args.command == "migrate":
         return _migrate(args)
+    if args.command == "sign":
+        return _sign(args)
     if args.command != "serve":
         parser.print_help()
         return 2
@@ -149,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log.level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if settings.log.format == "json":
+        from streamkeep.telemetry.accesslog import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     from streamkeep.http.server import run
     from streamkeep.storage.directory import FormatError
     from streamkeep.subscriptions.signing import KeyFileError

@@ -102,6 +102,40 @@ def s3_url(value: Any) -> str:
     return text_value
 
 
+def non_negative(value: Any) -> float:
+    number = float(value)
+    if not number >= 0 or number == float("inf"):
+        raise ValueError("expected 0 (off) or a positive number")
+    return number
+
+
+def optional_port(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    return port(value)
+
+
+def cors_origins(value: Any) -> str:
+    origins = [origin.strip() for origin in str(value).split(",") if origin.strip()]
+    if not origins:
+        raise ValueError("expected * or a comma-separated list of origins like https://app.example.com")
+    if "*" in origins and len(origins) > 1:
+        raise ValueError("* allows every origin: give * alone or a list of origins")
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s,]+", origin):
+            raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], no path)")
+    return ",".join(origins)
+
+
+def jwks_location(value: Any) -> str:
+    location = str(value).strip()
+    if not location or location.startswith("https://"):
+        return location
+    if "://" in location:
+        raise ValueError("expected an https:// URL or a local file path (keys fetched over plain http can be forged)")
+    return location
+
+
 def existing_file(value: Any) -> str:
     path = Path(str(value)).expanduser()
     if not path.is_file():
@@ -118,6 +152,7 @@ class Setting:
     help: str
     flag: str | None = None
     aliases: tuple[str, ...] = ()
+    old_names: tuple[str, ...] = ()  # TOML keys it had before a rename, still accepted
 
     @property
     def cli_flag(self) -> str:
@@ -191,7 +226,17 @@ SETTINGS: tuple[Setting, ...] = (
         1000,
         "HTTP/2 streams one connection may have open at once",
     ),
-    Setting("http", "cors_origin", text, "*", "value of Access-Control-Allow-Origin"),
+    Setting(
+        "http",
+        "cors_origins",
+        cors_origins,
+        "*",
+        "origins browsers may call from, comma-separated (https://app.example.com,https://admin.example.com); "
+        "* allows any. With a list, only a listed Origin is echoed back",
+        flag="--cors-origins",
+        aliases=("DS_HTTP__CORS_ORIGIN",),
+        old_names=("cors_origin",),
+    ),
     Setting(
         "server",
         "allow_loopback_webhooks",
@@ -375,6 +420,142 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "log", "level", one_of("debug", "info", "warning", "error"), "info", "log level", flag="--log-level"
     ),
+    Setting(
+        "log",
+        "format",
+        one_of("text", "json"),
+        "text",
+        "format of the server's own log lines and of the access log: text or json (one object per line)",
+        flag="--log-format",
+    ),
+    Setting(
+        "log",
+        "access_log",
+        text,
+        "",
+        "one line per request (time, client, method, path without tokens, status, bytes, duration, "
+        "HTTP version): - for stdout or a file path; off when empty. Text lines use the common log format",
+        flag="--access-log",
+    ),
+    Setting(
+        "auth",
+        "jwt_secret",
+        text,
+        "",
+        "shared secret for HS256 bearer tokens; setting it (or --auth-jwks-url) turns auth on",
+        flag="--auth-jwt-secret",
+    ),
+    Setting(
+        "auth",
+        "jwks_url",
+        jwks_location,
+        "",
+        "https:// URL or local file of a JWKS with the public keys of RS256, ES256 and EdDSA tokens; "
+        "fetched in the background and on an unknown kid (rate-limited)",
+        flag="--auth-jwks-url",
+    ),
+    Setting("auth", "issuer", text, "", "required iss claim of tokens (unchecked when empty)", flag="--auth-issuer"),
+    Setting(
+        "auth", "audience", text, "", "required aud claim of tokens (unchecked when empty)", flag="--auth-audience"
+    ),
+    Setting(
+        "auth",
+        "scope_claim",
+        text,
+        "scope",
+        "claim holding the permissions: a space-separated string or an array (scope, scp, permissions)",
+        flag="--auth-scope-claim",
+    ),
+    Setting(
+        "auth",
+        "leeway",
+        seconds_or_zero,
+        30.0,
+        "seconds of clock skew allowed when checking exp and nbf",
+        flag="--auth-leeway",
+    ),
+    Setting(
+        "auth",
+        "jwks_refresh",
+        seconds,
+        300.0,
+        "seconds between background refreshes of --auth-jwks-url",
+        flag="--auth-jwks-refresh",
+    ),
+    Setting(
+        "auth",
+        "jwks_min_refresh_interval",
+        seconds,
+        10.0,
+        "least seconds between two JWKS fetches caused by tokens with an unknown kid (a flood guard)",
+        flag="--auth-jwks-min-refresh-interval",
+    ),
+    Setting(
+        "auth",
+        "token_cache_size",
+        positive_int,
+        10_000,
+        "verified tokens remembered (each until it expires), so a signature is checked once per token",
+        flag="--auth-token-cache-size",
+    ),
+    Setting(
+        "auth",
+        "link_keys",
+        text,
+        "",
+        "keys of signed read links, kid=SECRET,kid2=SECRET2 (the first signs, all verify); when empty, "
+        "a key kept in DATA_DIR/keys/link-keys (made at first use; `streamkeep sign --rotate` adds one)",
+        flag="--auth-link-keys",
+    ),
+    Setting(
+        "quota",
+        "appends_per_second",
+        non_negative,
+        0.0,
+        "appends one token subject may make per second (0: no limit); past it, 429 + Retry-After",
+        flag="--quota-appends-per-second",
+    ),
+    Setting(
+        "quota",
+        "bytes_per_second",
+        byte_size,
+        0,
+        "bytes one token subject may append per second (0: no limit); past it, 429 + Retry-After",
+        flag="--quota-bytes-per-second",
+    ),
+    Setting(
+        "quota",
+        "burst",
+        seconds,
+        2.0,
+        "seconds of quota a quiet subject may save up and spend at once",
+        flag="--quota-burst",
+    ),
+    Setting(
+        "metrics",
+        "enabled",
+        boolean,
+        True,
+        "serve Prometheus metrics at /metrics (admin-only when auth is on); --no-metrics turns them off",
+        flag="--no-metrics",
+    ),
+    Setting(
+        "metrics",
+        "host",
+        text,
+        "127.0.0.1",
+        "address --metrics-port listens on (loopback by default: metrics need no token there)",
+        flag="--metrics-host",
+    ),
+    Setting(
+        "metrics",
+        "port",
+        optional_port,
+        None,
+        "serve /metrics (with /healthz and /readyz) on this port of --metrics-host instead, without "
+        "auth, and not on the main port: keep it off the public network",
+        flag="--metrics-port",
+    ),
 )
 
 
@@ -393,6 +574,7 @@ def load(
     """Effective settings as `settings.server.port` etc.; raises ConfigError naming the setting."""
     values: dict[tuple[str, str], Any] = {(s.section, s.name): s.default for s in SETTINGS}
     by_key = {(s.section, s.name): s for s in SETTINGS}
+    by_key.update({(s.section, old): s for s in SETTINGS for old in s.old_names})
     if config_file:
         path = Path(config_file)
         try:
@@ -424,6 +606,17 @@ def load(
         raise ConfigError("cold.url needs storage.mode disk: the cold tier archives disk segments")
     if (values[("tls", "cert")] is None) != (values[("tls", "key")] is None):
         raise ConfigError("tls.cert and tls.key go together: give both (--tls-cert and --tls-key) or neither")
+    secret = values[("auth", "jwt_secret")]
+    if secret and len(secret.encode()) < 32:
+        # RFC 7518 §3.2: an HS256 key at least as long as the hash; shorter ones can be guessed.
+        raise ConfigError("auth.jwt_secret: use at least 32 bytes (e.g. `openssl rand -base64 32`)")
+    if values[("auth", "link_keys")]:
+        from streamkeep.auth.links import LinkKeys
+
+        try:
+            LinkKeys.parse(values[("auth", "link_keys")])
+        except ValueError as error:
+            raise ConfigError(f"auth.link_keys: {error}") from None
     sections: dict[str, dict[str, Any]] = {}
     for (section, name), value in values.items():
         sections.setdefault(section, {})[name] = value

@@ -79,7 +79,7 @@ Spawn = Callable[[Callable[[], Awaitable[None]]], None]
 class Parked:
     """An idle subscriber, its socket written to by the push loop while its task sleeps."""
 
-    __slots__ = ("finished", "frame", "gone", "leftover", "position", "target", "wake", "woke")
+    __slots__ = ("finished", "frame", "gone", "leftover", "position", "sent", "target", "wake", "woke")
 
     def __init__(self, position: int, target: PushTarget, frame: Callable[[Batch], bytes]) -> None:
         self.position = position  # advanced by every change pushed
@@ -90,6 +90,7 @@ class Parked:
         self.finished = False  # the stream's closing event was pushed; nothing more will come
         self.gone = False  # the subscriber left; never write to its socket again
         self.woke = False
+        self.sent = 0  # bytes the push loop wrote to the socket (for the access log and metrics)
 
 
 class LiveStream:
@@ -100,6 +101,7 @@ class LiveStream:
         self._pushing: trio.CancelScope | None = None
         self.parked = 0  # subscribers asleep in park(), wherever the push loop has them
         self.pushes = 0
+        self.pushed_bytes = 0
         self._window_bytes = window_bytes
         self._batches: deque[Batch] = deque()
         self._by_start: dict[int, Batch] = {}
@@ -257,6 +259,8 @@ class LiveStream:
                 record.wake.set()  # the peer is gone; its task finds out when it sends
                 continue
             self.pushes += 1
+            self.pushed_bytes += written
+            record.sent += written
             record.position = end
             if written < len(data):
                 record.leftover = data[written:]

@@ -11,29 +11,39 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
 
+from streamkeep import routes
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.auth.errors import AuthError
+from streamkeep.auth.gate import Gate, auth_response
+from streamkeep.auth.tokens import Principal
 from streamkeep.health import Health
 from streamkeep.live import Batch, LiveStream, ReadView
 from streamkeep.protocol import offsets, responses, sse
+from streamkeep.protocol.cors import Cors
 from streamkeep.protocol.cursor import response_cursor
 from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
-from streamkeep.protocol.model import Framed, PushTarget, Request, Response
-from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
+from streamkeep.protocol.model import Framed, PushTarget, Request, Response, Tally
+from streamkeep.protocol.names import STREAM_PREFIX
 from streamkeep.protocol.offsets import Offset
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
 from streamkeep.storage import forks
 from streamkeep.storage.errors import STORAGE_ERRORS, as_protocol_error
-from streamkeep.subscriptions.manager import CONTROL_PREFIX, SubscriptionManager
+from streamkeep.subscriptions.manager import SubscriptionManager
+from streamkeep.telemetry.requests import RequestStats
 
 log = logging.getLogger(__name__)
 
 CATCH_UP_CACHE = "public, max-age=60, stale-while-revalidate=300"
-STREAM_METHODS = "GET, HEAD, PUT, POST, DELETE, OPTIONS"
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def not_ready(reason: str) -> ProtocolError:
+    return ProtocolError(503, "not_ready", f"the server is not ready yet: {reason}", [("Retry-After", "1")])
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,7 @@ class ServiceOptions:
     long_poll_timeout: float = 30.0
     sse_close_after: float = 60.0
     read_chunk_bytes: int = 1 << 20
-    cors_origin: str = "*"
+    cors_origins: str = "*"
     cache_visibility: str = "public"
     sweep_interval: float = 10.0
     # Recent changes kept per stream for live readers to share (see streamkeep.live).
@@ -58,6 +68,19 @@ class Service:
         self._catch_up_cache = CATCH_UP_CACHE.replace("public", options.cache_visibility)
         self._entry_cache = f"{options.cache_visibility}, no-cache"
         self.requests_by_http_version: Counter[str] = Counter()
+        self.cors = Cors(options.cors_origins)
+        # Auth (None: off), request metrics and the access log (None: off), set up by the server.
+        self.gate: Gate | None = None
+        self.request_stats: RequestStats | None = RequestStats()
+        # Why streams cannot be served yet (recovery running), or None once they can; and the
+        # readiness check behind /readyz (None: ready when `not_ready` is None).
+        self.not_ready: str | None = None
+        self.readiness: Callable[[], Awaitable[str | None]] | None = None
+        # The Prometheus exposition served at /metrics (None: 404, metrics off or on their own port).
+        self.metrics_page: Callable[[], bytes] | None = None
+        self.live_readers: Counter[str] = Counter()  # live readers now, by mode
+        self.appends = 0  # acknowledged appends (a producer's duplicate counts: it was answered)
+        self.appended_bytes = 0
         self.subscriptions: SubscriptionManager | None = None
         self._live: dict[tuple[str, int], LiveStream] = {}
         # Where live fan-out runs its push loops; without one, subscribers wake and send themselves.
@@ -94,56 +117,152 @@ class Service:
     # ---- routing --------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response:
+        started = time.perf_counter()
         self.requests_by_http_version[request.http_version] += 1
+        kind = routes.OTHER
+        principal: Principal | None = None
         try:
-            response = await self._route(request)
+            if self.gate is not None:
+                principal = await self.gate.authenticate(request)
+            route = routes.classify(request)
+            kind = route.kind
+            if self.gate is not None:
+                self.gate.authorize(principal, route, request)
+                request.principal = principal
+            response = await self._route(request, route)
         except ProtocolError as err:
             response = responses.error(err)
+        except AuthError as err:
+            response = auth_response(err)
+            if kind == routes.OTHER:  # refused before it was classified: label it all the same
+                try:
+                    kind = routes.classify(request).kind
+                except ProtocolError:
+                    pass
         except Exception:
             log.exception("%s %s failed", request.method, request.raw_path[:200])
             response = responses.error(
                 ProtocolError(500, "internal_error", "the server failed this request; it has been logged")
             )
-        response.headers.extend(responses.common_headers(self.options.cors_origin))
+        response.headers.extend(self.cors.headers(request.headers))
+        if self.gate is not None:
+            response.headers.append(("Vary", "Authorization"))
+        if self.request_stats is not None:
+            subject = principal.subject if principal is not None else None
+            if response.stream is not None:
+                response.stream = self._counted(response.stream, response, request, kind, started, subject)
+            else:
+                self.request_stats.finish(
+                    method=request.method,
+                    route=kind,
+                    status=response.status,
+                    http_version=request.http_version,
+                    started=started,
+                    sent=len(response.body),
+                    client=request.client,
+                    target=request.target,
+                    subject=subject,
+                )
         return response
 
-    async def _route(self, request: Request) -> Response:
-        method = request.method
-        if method == "OPTIONS":
+    async def _counted(
+        self,
+        stream: AsyncIterator[bytes],
+        response: Response,
+        request: Request,
+        kind: str,
+        started: float,
+        subject: str | None,
+    ) -> AsyncIterator[bytes]:
+        """A streaming body (`stream`, the response's own) that counts its bytes and is accounted
+        for when it ends."""
+        status, tally = response.status, response.tally
+        sent = 0
+        try:
+            async for chunk in stream:
+                sent += len(chunk)
+                yield chunk
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+            assert self.request_stats is not None
+            self.request_stats.finish(
+                method=request.method,
+                route=kind,
+                status=status,
+                http_version=request.http_version,
+                started=started,
+                sent=sent + (tally.pushed if tally is not None else 0),
+                client=request.client,
+                target=request.target,
+                subject=subject,
+            )
+
+    async def _route(self, request: Request, route: routes.Route) -> Response:
+        kind = route.kind
+        name = route.name
+        if name is not None:
+            if self.not_ready is not None:
+                raise not_ready(self.not_ready)
+            if kind == routes.APPEND or kind == routes.CLOSE:
+                return await self._append(name, request)
+            if kind == routes.READ or kind == routes.LIVE_READ:
+                return await self._read(name, request)
+            if kind == routes.HEAD:
+                view = await self.supervisor.call(name, "head")
+                return responses.head(view.meta, view.tail)
+            if kind == routes.CREATE or kind == routes.FORK:
+                return await self._create(name, request)
+            if kind == routes.DELETE:
+                await self.supervisor.call(name, "delete")
+                return Response(204)
+        if kind == routes.PREFLIGHT:
             return responses.preflight()
-        path = request.raw_path
-        if path == "/healthz" and method in ("GET", "HEAD"):
+        if kind == routes.HEALTH:
             return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
-        if path == "/stats" and method == "GET":
+        if kind == routes.READY:
+            return await self._ready()
+        if kind == routes.METRICS and self.metrics_page is not None:
+            return Response(
+                200,
+                [("Content-Type", METRICS_CONTENT_TYPE), ("Cache-Control", "no-store")],
+                self.metrics_page(),
+            )
+        if kind == routes.STATS:
             return self._stats()
-        if path.startswith(CONTROL_PREFIX):
+        if kind == routes.SUBSCRIPTION:
+            if self.not_ready is not None:
+                raise not_ready(self.not_ready)
             if self.subscriptions is None:
                 raise ProtocolError(404, "reserved_path", "paths under /v1/stream/__ds/ are reserved")
             return await self.subscriptions.handle(request)
-        if not path.startswith(STREAM_PREFIX):
-            raise ProtocolError(
-                404, "not_found", f"no such endpoint; streams live under {STREAM_PREFIX}<name>"
-            )
-        name = parse_stream_name(path)
-        if method == "PUT":
-            return await self._create(name, request)
-        if method == "POST":
-            return await self._append(name, request)
-        if method == "GET":
-            return await self._read(name, request)
-        if method == "HEAD":
-            view = await self.supervisor.call(name, "head")
-            return responses.head(view.meta, view.tail)
-        if method == "DELETE":
-            await self.supervisor.call(name, "delete")
-            return Response(204)
-        raise ProtocolError(
-            405, "method_not_allowed", f"{method[:20]} is not a stream operation", [("Allow", STREAM_METHODS)]
+        raise ProtocolError(404, "not_found", f"no such endpoint; streams live under {STREAM_PREFIX}<name>")
+
+    async def _ready(self) -> Response:
+        reason = self.not_ready
+        if reason is None and self.readiness is not None:
+            reason = await self.readiness()
+        if reason is not None:
+            body = json.dumps({"ready": False, "reason": reason}).encode()
+            headers = [("Content-Type", "application/json"), ("Cache-Control", "no-store"), ("Retry-After", "1")]
+            return Response(503, headers, body)
+        return Response(
+            200,
+            [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
+            b'{"ready": true}',
         )
 
     def _stats(self) -> Response:
+        body = self.stats()
+        return Response(
+            200,
+            [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
+            json.dumps(body).encode(),
+        )
+
+    def stats(self) -> dict[str, object]:
         storage = self.supervisor.storage
         body: dict[str, object] = {
+            "ready": self.not_ready is None,
             "streams": len(storage.names()),
             "stored_bytes": storage.budget.total_bytes,
             "actors_active": self.supervisor.active,
@@ -151,6 +270,7 @@ class Service:
             "requests_by_http_version": dict(self.requests_by_http_version),
             "live_streams": len(self._live),
             "live_readers": sum(live.readers for live in self._live.values()),
+            "live_readers_by_mode": dict(self.live_readers),
             "live_reads": dict(
                 self.live_reads,
                 pushed=self.live_reads["pushed"] + sum(live.pushes for live in self._live.values()),
@@ -159,11 +279,7 @@ class Service:
         }
         for section, source in self.stats_sources.items():
             body[section] = source()
-        return Response(
-            200,
-            [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
-            json.dumps(body).encode(),
-        )
+        return body
 
     # ---- writes ---------------------------------------------------------------------
 
@@ -178,6 +294,9 @@ class Service:
         spec = AppendSpec.from_request(request.headers, request.body)
         pending = await self.supervisor.call(name, "append", spec)
         outcome = await pending.wait()  # outside the actor: it sequences the next append meanwhile
+        if outcome.status < 300:
+            self.appends += 1
+            self.appended_bytes += len(request.body)
         return Response(outcome.status, outcome.headers(pending.incarnation))
 
     # ---- reads ----------------------------------------------------------------------
@@ -193,7 +312,8 @@ class Service:
         if live is not None and start is None:
             raise bad_request("missing_offset", f"live={live} needs an offset; use offset=-1 or offset=now")
         if live == "sse":
-            return await self._sse(name, start if start is not None else "-1", cursor, request.push)
+            until = _credential_deadline(request)
+            return await self._sse(name, start if start is not None else "-1", cursor, request.push, until)
         if live == "long-poll":
             assert start is not None
             return await self._long_poll(name, start, cursor, request)
@@ -316,11 +436,14 @@ class Service:
             self.live_reads["cached"] += 1
         else:
             view = await self._alone_read(name, start)
-        with _LiveReader(self, name, view.view.meta.incarnation) as reader:
+        with _LiveReader(self, name, view.view.meta.incarnation, "long-poll") as reader:
             live_now = reader.live
             reader.live.observe(view)
             position = view.start
             deadline = trio.current_time() + self.options.long_poll_timeout
+            until = _credential_deadline(request)
+            if until is not None:  # a wait never outlives the token that allowed it
+                deadline = min(deadline, until)
             while not view.messages:
                 meta = view.view.meta
                 if meta.closed or self.shutting_down or trio.current_time() >= deadline:
@@ -357,7 +480,12 @@ class Service:
         )
 
     async def _sse(
-        self, name: str, start: Offset | str, cursor: str | None, push: PushTarget | None
+        self,
+        name: str,
+        start: Offset | str,
+        cursor: str | None,
+        push: PushTarget | None,
+        until: float | None = None,
     ) -> Response:
         first = await self._read_view(name, start)  # errors become plain HTTP errors, not events
         meta = first.view.meta
@@ -369,14 +497,25 @@ class Service:
         ]
         if base64_mode:
             headers.append(("Stream-SSE-Data-Encoding", "base64"))
-        return Response(200, headers, stream=self._sse_events(name, first, cursor, base64_mode, push))
+        tally = Tally()
+        events = self._sse_events(name, first, cursor, base64_mode, push, tally, until)
+        return Response(200, headers, stream=events, tally=tally)
 
     async def _sse_events(
-        self, name: str, view: ReadView, cursor: str | None, base64_mode: bool, push: PushTarget | None
+        self,
+        name: str,
+        view: ReadView,
+        cursor: str | None,
+        base64_mode: bool,
+        push: PushTarget | None,
+        tally: Tally,
+        until: float | None = None,
     ) -> AsyncIterator[bytes]:
         close_at = trio.current_time() + self.options.sse_close_after
+        if until is not None:  # the stream ends when the token or link that opened it expires
+            close_at = min(close_at, until)
         batch: Batch | None = None
-        with _LiveReader(self, name, view.view.meta.incarnation) as reader:
+        with _LiveReader(self, name, view.view.meta.incarnation, "sse") as reader:
             live = reader.live
             live.observe(view)
             sent_control = False
@@ -406,6 +545,7 @@ class Service:
                         parked = await live.park(
                             position, push, _push_frame(push, cursor, base64_mode, live), deadline
                         )
+                        tally.pushed += parked.sent
                         if parked.leftover:
                             yield Framed(parked.leftover)
                         if parked.finished:
@@ -423,6 +563,16 @@ class Service:
                     return  # deleted, replaced or expired meanwhile: end; a reconnect gets the answer
 
 
+def _credential_deadline(request: Request) -> float | None:
+    """When (trio clock) the credential behind `request` expires, if it does: live reads end
+    then, and the client's reconnect needs a fresh one."""
+    principal = request.principal
+    expires_at = getattr(principal, "expires_at", None)
+    if expires_at is None:
+        return None
+    return trio.current_time() + (expires_at - time.time())
+
+
 class _LiveReader:
     """One live reader: keeps the stream's actor awake and its incarnation's `LiveStream` alive
     while it lasts.
@@ -431,22 +581,25 @@ class _LiveReader:
     as they are connected, and a generator-based context manager costs ten times the memory.
     """
 
-    __slots__ = ("awake", "incarnation", "live", "name", "service")
+    __slots__ = ("awake", "incarnation", "live", "mode", "name", "service")
 
-    def __init__(self, service: Service, name: str, incarnation: int) -> None:
+    def __init__(self, service: Service, name: str, incarnation: int, mode: str) -> None:
         self.service = service
         self.name = name
         self.incarnation = incarnation
+        self.mode = mode
 
     def __enter__(self) -> _LiveReader:
         self.awake = self.service.supervisor.live_reader(self.name)
         self.awake.__enter__()
         self.live = self.service._join_live(self.name, self.incarnation)
+        self.service.live_readers[self.mode] += 1
         return self
 
     def __exit__(self, *_: object) -> None:
         self.awake.__exit__()
         self.service._leave_live((self.name, self.incarnation), self.live)
+        self.service.live_readers[self.mode] -= 1
 
 
 def _sse_bytes(view: ReadView, fresh_cursor: str, base64_mode: bool, up_to_date: bool) -> bytes:

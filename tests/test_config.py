@@ -83,3 +83,35 @@ def test_bad_config_fails_at_start_with_exit_2() -> None:
     )
     assert result.returncode == 2
     assert "server.port" in result.stderr and "--port" in result.stderr
+
+
+def test_production_settings(tmp_path: Path) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--no-metrics", "--cors-origins", "https://a.example, https://b.example"])
+    cli = {config.cli_dest(s): getattr(args, config.cli_dest(s)) for s in config.SETTINGS}
+    settings = config.load(None, env={}, cli=cli)
+    assert settings.metrics.enabled is False and settings.metrics.port is None
+    assert settings.http.cors_origins == "https://a.example,https://b.example"
+    # The old singular name still works, in TOML and as seed 000's variable.
+    toml = tmp_path / "old.toml"
+    toml.write_text('[http]\ncors_origin = "https://c.example"\n')
+    assert config.load(str(toml), env={}).http.cors_origins == "https://c.example"
+    assert config.load(None, env={"DS_HTTP__CORS_ORIGIN": "https://d.example"}).http.cors_origins == "https://d.example"
+    secret = "a-shared-secret-of-at-least-32-bytes"
+    assert config.load(None, env={"DS_AUTH__JWT_SECRET": secret}).auth.jwt_secret == secret
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"DS_HTTP__CORS_ORIGINS": "*,https://a.example"}, "http.cors_origins"),
+        ({"DS_HTTP__CORS_ORIGINS": "https://a.example/path"}, "http.cors_origins"),
+        ({"DS_AUTH__JWKS_URL": "http://issuer.example/jwks.json"}, "auth.jwks_url"),
+        ({"DS_AUTH__LINK_KEYS": "k1=short"}, "auth.link_keys"),
+        ({"DS_AUTH__JWT_SECRET": "too-short"}, "auth.jwt_secret"),
+        ({"DS_METRICS__PORT": "70000"}, "metrics.port"),
+    ],
+)
+def test_bad_production_settings_name_the_setting(env: dict[str, str], named: str) -> None:
+    with pytest.raises(config.ConfigError, match=named.replace(".", r"\.")):
+        config.load(None, env=env)

@@ -49,6 +49,7 @@ def run(
     seconds: float | None = None,
     count: int | None = None,
     latencies: bool = False,
+    headers: tuple[str, ...] = (),
 ) -> Load:
     """POSTs `body` to `paths` (each client cycles through all of them) for `seconds` or `count`."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,6 +58,8 @@ def run(
         log = Path(tmp) / "log"
         command = ["h2load", "-c", str(clients), "-m", "1", "-d", str(body), "-i", str(uris)]
         command += ["-H", f"Content-Type: {content_type}"]
+        for header in headers:
+            command += ["-H", header]
         command += ["-D", f"{round(seconds * 1000)}ms"] if seconds is not None else ["-n", str(count)]
         if not h2:
             command.append("--h1")

@@ -47,7 +47,7 @@ def create_app(
         except BodyRejected as rejected:
             response = responses.error(rejected.error)
             response.headers.append(("Connection", "close"))
-            response.headers.extend(responses.common_headers(service.options.cors_origin))
+            response.headers.extend(service.cors.headers(None))
             return _to_quart(response)
         raw_path = request.scope.get("raw_path")
         core = Request(
@@ -59,6 +59,7 @@ def create_app(
             scheme=request.scheme,
             http_version=request.http_version,
         )
+        core.client = request.remote_addr or ""
         return _to_quart(await service.handle(core))
 
     return app

@@ -27,7 +27,7 @@ class EdgeLimits:
 
 def rejection(service: Service, error: ProtocolError) -> Response:
     response = responses.error(error)
-    response.headers.extend(responses.common_headers(service.options.cors_origin))
+    response.headers.extend(service.cors.headers(None))
     return response
 
 

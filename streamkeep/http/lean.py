@@ -41,6 +41,15 @@ def reason(status: int) -> bytes:
         return b""
 
 
+def peer_address(stream: trio.abc.Stream) -> str:
+    """The client's IP address, for the access log ("" if the transport has none)."""
+    try:
+        address = stream.socket.getpeername()  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return ""
+    return str(address[0]) if isinstance(address, tuple) else str(address)
+
+
 def body_timed_out(timeout: float) -> ProtocolError:
     return ProtocolError(408, "body_timeout", f"the request body took longer than {timeout:g} s to arrive")
 
@@ -99,22 +108,23 @@ async def _serve(
     ssl_context: ssl.SSLContext | None,
 ) -> None:
     scheme = "http"
+    client = peer_address(stream)
     if ssl_context is not None:
         stream = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
         with trio.fail_after(HEADER_TIMEOUT):
             await stream.do_handshake()
         scheme = "https"
         if stream.selected_alpn_protocol() == "h2":
-            await serve_h2(stream, b"", service, limits, scheme, connections, scope)
+            await serve_h2(stream, b"", service, limits, scheme, connections, scope, client)
             return
     with trio.fail_after(HEADER_TIMEOUT):
         first = await stream.receive_some(READ_SIZE)
     if not first:
         return
     if first.startswith(H2_PREFACE[: len(first)]) and len(first) >= 3:
-        await serve_h2(stream, first, service, limits, scheme, connections, scope)
+        await serve_h2(stream, first, service, limits, scheme, connections, scope, client)
         return
-    await serve_h1(stream, first, service, limits, connections, scope, scheme)
+    await serve_h1(stream, first, service, limits, connections, scope, scheme, client)
 
 
 async def serve_h1(
@@ -125,6 +135,7 @@ async def serve_h1(
     connections: Connections,
     scope: trio.CancelScope,
     scheme: str,
+    client: str = "",
 ) -> None:
     """HTTP/1.1: requests parsed by llhttp (streamkeep.http.h1), responses written directly."""
     reader = RequestReader(stream, MAX_HEADER_BYTES)
@@ -173,6 +184,7 @@ async def serve_h1(
                 request = Request(
                     message.method, raw_path, query, Headers(message.headers), body, scheme, "1.1"
                 )
+                request.client = client
                 if push is not None and message.method == "GET":
                     request.push = push
                 response = await service.handle(request)

@@ -51,8 +51,11 @@ async def serve_h2(
     scheme: str,
     connections: Connections,
     scope: trio.CancelScope,
+    client: str = "",
 ) -> None:
-    await _H2Connection(stream, service, limits, scheme, connections, scope).run(first)
+    connection = _H2Connection(stream, service, limits, scheme, connections, scope)
+    connection.client = client
+    await connection.run(first)
 
 
 class _Stalled(Exception):
@@ -98,6 +101,7 @@ class _H2Connection:
         self.nursery: trio.Nursery | None = None
         self._write_soon = trio.Event()
         self._reaping = False
+        self.client = ""
 
     async def run(self, first: bytes) -> None:
         self.conn.initiate_connection()
@@ -283,7 +287,9 @@ class _H2Connection:
         raw_path, _, query = target.partition("?")
         method = pseudo.get(b":method", b"GET").decode("ascii", "replace")
         body = b"".join(state.chunks)
-        return Request(method, raw_path, query, Headers(pairs), body, self.scheme, "2")
+        request = Request(method, raw_path, query, Headers(pairs), body, self.scheme, "2")
+        request.client = self.client
+        return request
 
     async def send_response(self, stream_id: int, response: Response, *, head: bool) -> None:
         headers = [(b":status", str(response.status).encode())]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 import ssl
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,12 +17,15 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.auth import setup as auth_setup
 from streamkeep.background import supervised
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
 from streamkeep.http.budget import BodyBudget
 from streamkeep.http.edge import EdgeLimits
 from streamkeep.http.lean import serve_lean
+from streamkeep.http.metrics_port import MetricsEndpoint
+from streamkeep.readiness import Readiness
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage import files, migrate
 from streamkeep.storage.archiver import Archiver
@@ -31,6 +35,10 @@ from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.memory import MemoryStorage
 from streamkeep.subscriptions.manager import SubscriptionManager
 from streamkeep.subscriptions.signing import Keys
+from streamkeep.telemetry import prometheus
+from streamkeep.telemetry.accesslog import AccessLog
+from streamkeep.telemetry.prometheus import Sources
+from streamkeep.telemetry.requests import RequestStats
 
 log = logging.getLogger("streamkeep")
 
@@ -55,24 +63,14 @@ def hypercorn_config(settings: SimpleNamespace) -> Config:
     return config
 
 
-async def open_storage(
-    settings: SimpleNamespace, nursery: trio.Nursery
-) -> tuple[MemoryStorage | DiskStorage, Archiver | None]:
-    """The configured storage, recovered (and upgraded to the current format if it was older),
-    with its background work started; and its cold tier, if one is configured."""
+def make_storage(settings: SimpleNamespace) -> MemoryStorage | DiskStorage:
+    """The configured storage, not yet recovered (nothing read from disk yet)."""
     limits = settings.limits
     if settings.storage.mode == "memory":
-        return MemoryStorage(
-            max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes
-        ), None
+        return MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes)
     options = settings.storage
-    root = Path(options.data_dir)
-    cold = ColdConfig.from_settings(settings)
-    store = await trio.to_thread.run_sync(S3Store, cold) if cold is not None else None
-    if await trio.to_thread.run_sync(migrate.pending_version, files.OS, root):
-        await trio.to_thread.run_sync(migrate.upgrade, files.OS, root, store, log.info)
-    storage = DiskStorage(
-        root,
+    return DiskStorage(
+        Path(options.data_dir),
         budget=ByteBudget(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes),
         fsync=options.fsync,
         fsync_interval=options.fsync_interval,
@@ -83,6 +81,20 @@ async def open_storage(
         sync_method=options.sync_method,
         min_free_bytes=options.min_free_bytes,
     )
+
+
+async def recover_storage(
+    settings: SimpleNamespace, storage: MemoryStorage | DiskStorage, nursery: trio.Nursery
+) -> Archiver | None:
+    """Recovers disk storage (upgraded to the current format first if it was older) and starts its
+    background work; returns its cold tier, if one is configured."""
+    if not isinstance(storage, DiskStorage):
+        return None
+    root = storage.root
+    cold = ColdConfig.from_settings(settings)
+    store = await trio.to_thread.run_sync(S3Store, cold) if cold is not None else None
+    if await trio.to_thread.run_sync(migrate.pending_version, files.OS, root):
+        await trio.to_thread.run_sync(migrate.upgrade, files.OS, root, store, log.info)
     log.info("recovering streams from %s ...", root.resolve())
     report = await storage.start(nursery)
     log.info(
@@ -99,7 +111,7 @@ async def open_storage(
         archiver = Archiver(storage, store, cold)
         storage.cold = archiver
         nursery.start_soon(supervised, "cold tier", archiver.run, archiver.health)
-    return storage, archiver
+    return archiver
 
 
 def build_service(
@@ -118,8 +130,9 @@ def build_service(
         read_chunk_bytes=limits.read_chunk_bytes,
         live_window_bytes=limits.live_window_bytes,
         send_stall_timeout=settings.server.send_stall_timeout,
-        cors_origin=settings.http.cors_origin,
-        cache_visibility=settings.http.cache_visibility,
+        cors_origins=settings.http.cors_origins,
+        # With auth on, a shared cache must not hand one client's read to another (PROTOCOL §12.2).
+        cache_visibility="private" if auth_setup.enabled(settings) else settings.http.cache_visibility,
     )
     return Service(supervisor, options)
 
@@ -146,26 +159,36 @@ async def serve(settings: SimpleNamespace) -> None:
 
 async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
     async with trio.open_nursery() as nursery:
-        storage, archiver = await open_storage(settings, nursery)
-        if isinstance(storage, DiskStorage):
-            opened.append(storage)
+        storage = make_storage(settings)
         service = build_service(settings, nursery, storage)
         service.nursery = nursery
-        if isinstance(storage, DiskStorage):
-            service.stats_sources["storage"] = storage.stats
-        if archiver is not None:
-            service.stats_sources["cold"] = archiver.stats
-        nursery.start_soon(supervised, "TTL sweep", service.sweep_expired, service.health)
-        state = Path(settings.storage.data_dir) if settings.storage.mode == "disk" else None
-        keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")
-        service.subscriptions = SubscriptionManager(
-            service.supervisor,
-            keys,
-            state_dir=None if state is None else state / "subscriptions",
-            allow_loopback_webhooks=settings.server.allow_loopback_webhooks,
+        # The edge listens from the start, so probes can tell a long recovery (/healthz 200,
+        # /readyz 503 "recovering") from a hung process; streams answer 503 until it is done.
+        service.not_ready = "recovering streams from the data directory"
+        data_dir = storage.root if isinstance(storage, DiskStorage) else None
+        gate = auth_setup.build_gate(settings, data_dir)
+        service.gate = gate
+        access_log = None
+        if settings.log.access_log:
+            access_log = AccessLog(
+                settings.log.access_log, json_lines=settings.log.format == "json", health=service.health
+            )
+            nursery.start_soon(access_log.run)
+        if settings.metrics.enabled or access_log is not None:
+            service.request_stats = RequestStats(access_log)
+        else:
+            service.request_stats = None
+        sources = Sources(service=service, storage=storage, gate=gate)
+        metrics_page = prometheus.page(sources) if settings.metrics.enabled else None
+        if settings.metrics.port is None:
+            service.metrics_page = metrics_page
+        service.readiness = Readiness(
+            data_dir=data_dir,
+            min_free_bytes=settings.storage.min_free_bytes if data_dir is not None else 0,
+            jwks_loaded=auth_setup.jwks_readiness(gate),
         )
-        await nursery.start(service.subscriptions.run)
-        service.stats_sources["subscriptions"] = service.subscriptions.stats
+        if gate is not None and gate.jwks is not None:
+            nursery.start_soon(gate.jwks.run)
         shutdown = trio.Event()
 
         async def watch_signals() -> None:
@@ -178,15 +201,15 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
 
         nursery.start_soon(watch_signals)
         budget = BodyBudget(settings.limits.max_inflight_body_bytes)
+        limits = EdgeLimits(
+            max_body_bytes=settings.limits.max_body_bytes,
+            body_timeout=settings.limits.body_timeout,
+            h2_max_concurrent_streams=settings.server.h2_max_concurrent_streams,
+            budget=budget,
+        )
 
         async def run_http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             if settings.server.edge == "lean":
-                limits = EdgeLimits(
-                    max_body_bytes=settings.limits.max_body_bytes,
-                    body_timeout=settings.limits.body_timeout,
-                    h2_max_concurrent_streams=settings.server.h2_max_concurrent_streams,
-                    budget=budget,
-                )
                 await serve_lean(
                     service,
                     host=settings.server.host,
@@ -212,14 +235,57 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             nursery.cancel_scope.cancel()
 
         binds = await nursery.start(run_http)
+        if settings.metrics.port is not None and metrics_page is not None:
+            metrics_binds = await nursery.start(
+                partial(
+                    serve_lean,
+                    MetricsEndpoint(service, metrics_page),
+                    host=settings.metrics.host,
+                    port=settings.metrics.port,
+                    backlog=64,
+                    limits=limits,
+                    ssl_context=None,
+                    shutdown_grace=1.0,
+                    shutdown=shutdown,
+                )
+            )
+            for bind in metrics_binds:
+                print(f"streamkeep metrics on {bind}/metrics", flush=True)
+
+        if isinstance(storage, DiskStorage):
+            opened.append(storage)
+        archiver = await recover_storage(settings, storage, nursery)
+        sources.archiver = archiver
+        if isinstance(storage, DiskStorage):
+            service.stats_sources["storage"] = storage.stats
+        if archiver is not None:
+            service.stats_sources["cold"] = archiver.stats
+        nursery.start_soon(supervised, "TTL sweep", service.sweep_expired, service.health)
+        state = data_dir
+        keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")
+        service.subscriptions = SubscriptionManager(
+            service.supervisor,
+            keys,
+            state_dir=None if state is None else state / "subscriptions",
+            allow_loopback_webhooks=settings.server.allow_loopback_webhooks,
+        )
+        await nursery.start(service.subscriptions.run)
+        sources.subscriptions = service.subscriptions
+        service.stats_sources["subscriptions"] = service.subscriptions.stats
+        if gate is not None:
+            service.stats_sources["auth"] = gate.stats
+        service.not_ready = None
         for bind in binds:
-            # Tests and scripts read this line to find the port when started with --port 0.
+            # Tests and scripts read this line to find the port when started with --port 0; it
+            # comes once streams are served.
             print(f"streamkeep listening on {bind}", flush=True)
         log.info(
-            "edge: %s; storage: %s, fsync=%s",
+            "edge: %s; storage: %s, fsync=%s; auth: %s; metrics: %s",
             settings.server.edge,
             settings.storage.mode,
             settings.storage.fsync,
+            auth_setup.describe(gate),
+            "off" if metrics_page is None else f"port {settings.metrics.port}" if settings.metrics.port else "/metrics",
         )
 
 

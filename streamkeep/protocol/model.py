@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 
@@ -46,6 +46,16 @@ class PushTarget(Protocol):
     def write(self, data: bytes) -> int: ...
 
 
+class Tally:
+    """Bytes of a streaming response that bypassed its iterator (pushed by live fan-out), so the
+    access log and metrics can count them too."""
+
+    __slots__ = ("pushed",)
+
+    def __init__(self) -> None:
+        self.pushed = 0
+
+
 class Framed(bytes):
     """Bytes a `PushTarget` already framed (the rest of a partial push); the edge sends them as is."""
 
@@ -61,6 +71,17 @@ class Request:
     http_version: str = "1.1"
     # Set by an edge that can take pushed bytes for a streaming response (plain HTTP/1.1).
     push: PushTarget | None = None
+    # The peer's address, for the access log.
+    client: str = ""
+    # Who is asking, once the auth gate let the request through (None: auth is off), and the
+    # token they presented (never logged).
+    principal: Any = None
+    credential: str = ""
+
+    @property
+    def target(self) -> str:
+        """The path and query as the client sent them (for logs: redact before writing)."""
+        return f"{self.raw_path}?{self.query_string}" if self.query_string else self.raw_path
 
     def query(self, name: str) -> list[str]:
         return self._query().get(name, [])
@@ -80,6 +101,7 @@ class Response:
     body: bytes = b""
     # Set for streaming responses (SSE); the edge sends each chunk as it comes.
     stream: AsyncIterator[bytes] | None = None
+    tally: Tally | None = None
 
     def header(self, name: str) -> str | None:
         lowered = name.lower()

@@ -19,23 +19,6 @@ CORS_ALLOW_HEADERS = (
     "Stream-Closed, Producer-Id, Producer-Epoch, Producer-Seq, Stream-Forked-From, "
     "Stream-Fork-Offset, Stream-Fork-Sub-Offset, Last-Event-ID"
 )
-CORS_EXPOSE_HEADERS = (
-    "Stream-Next-Offset, Stream-Cursor, Stream-Up-To-Date, Stream-Closed, Stream-TTL, "
-    "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
-    "Producer-Expected-Seq, Producer-Received-Seq, ETag, Location, Content-Type, Retry-After"
-)
-
-
-def common_headers(cors_origin: str) -> list[tuple[str, str]]:
-    """On every response: CORS and the browser-safety headers of §12.7."""
-    return [
-        ("Access-Control-Allow-Origin", cors_origin),
-        ("Access-Control-Expose-Headers", CORS_EXPOSE_HEADERS),
-        ("X-Content-Type-Options", "nosniff"),
-        ("Cross-Origin-Resource-Policy", "cross-origin"),
-    ]
-
-
 def preflight() -> Response:
     return Response(
         204,
@@ -102,7 +85,6 @@ def sse_uses_base64(meta: StreamMeta) -> bool:
 __all__ = [
     "NO_STORE",
     "body_for",
-    "common_headers",
     "created",
     "error",
     "etag",

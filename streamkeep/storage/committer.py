@@ -13,6 +13,7 @@ A round never ends the server: a failure fails that round's commits and the next
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from streamkeep.protocol.stream import StreamMeta
 from streamkeep.storage.errors import StorageUnavailable, below_reserve
 from streamkeep.storage.index import Segment
 from streamkeep.storage.writer import Pending, ReadOnly, SegmentWriter, WritePlan
+from streamkeep.telemetry.histogram import COUNT_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,9 @@ class Committer:
         self._work = trio.Event()
         self.rounds = 0
         self.failed_rounds = 0
+        # For metrics: how long each round's writes and syncs took, and how many appends shared it.
+        self.round_seconds = Histogram()
+        self.round_records = Histogram(COUNT_BUCKETS)
 
     def wake(self, stream_log: Committable) -> None:
         self._dirty[stream_log] = None
@@ -107,9 +112,13 @@ class Committer:
                     free -= batch.plan.size
                 admitted.append(batch)
             groups = [admitted[i : i + self._group_size] for i in range(0, len(admitted), self._group_size)]
+            started = time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for group in groups:
                     nursery.start_soon(self._run_sync, self._write_group, group)
+            if admitted:
+                self.round_seconds.observe(time.perf_counter() - started)
+                self.round_records.observe(sum(len(batch.pending) for batch in admitted))
         except Exception as error:  # a bug, or a failure outside any one stream: fail this round only
             self.failed_rounds += 1
             log.exception("commit round failed; its appends are answered 503 and the next round runs")

@@ -310,6 +310,18 @@ class DiskStorage:
             "read_only_streams": sorted(n for n, s in self._logs.items() if s.writer.read_only is not None),
         }
 
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of segment files by where they are: `hot` on local disk (cold copies kept as a
+        cache included), `cold` only in the bucket. One pass over every segment: for scrapes."""
+        hot = cold = 0
+        for stream_log in self._logs.values():
+            for segment in stream_log.segments:
+                if segment.local:
+                    hot += segment.size
+                else:
+                    cold += segment.size
+        return {"hot": hot, "cold": cold}
+
     # ---- recovery ---------------------------------------------------------------------
 
     def _recover_all(self) -> RecoveryReport:

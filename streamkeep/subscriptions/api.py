@@ -15,6 +15,7 @@ from urllib.parse import unquote
 
 import trio
 
+from streamkeep.auth.tokens import Principal
 from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, bad_request
 from streamkeep.protocol.model import Request, Response
@@ -29,7 +30,7 @@ from streamkeep.subscriptions.delivery import Delivery, token_ttl
 from streamkeep.subscriptions.faults import Faults
 from streamkeep.subscriptions.links import Links
 from streamkeep.subscriptions.signing import Keys
-from streamkeep.subscriptions.state import Subscription, Wake
+from streamkeep.subscriptions.state import Owner, Subscription, Wake
 from streamkeep.subscriptions.store import Store
 from streamkeep.subscriptions.urls import check_webhook_url
 
@@ -53,8 +54,19 @@ def _fenced() -> ProtocolError:
     return ProtocolError(409, "FENCED", "this wake is over: its generation or wake id is stale")
 
 
+def _forbidden(message: str) -> ProtocolError:
+    return ProtocolError(403, "FORBIDDEN", message)
+
+
 def _not_found(sub_id: str) -> ProtocolError:
     return ProtocolError(404, "SUBSCRIPTION_NOT_FOUND", f"no subscription {sub_id!r}")
+
+
+# The wake endpoints: called with the subscription's own wake tokens, not the server's JWTs;
+# the token kind each one takes.
+_WAKE_ACTIONS = {"callback": "callback", "ack": "claim", "release": "claim"}
+# With auth on, subscriptions one token subject may own (each is walked at every publish).
+MAX_SUBSCRIPTIONS_PER_OWNER = 100
 
 
 class ControlApi:
@@ -102,6 +114,8 @@ class ControlApi:
 
     async def _dispatch(self, request: Request, sub_id: str, action: str) -> Response:
         method = request.method
+        if action not in _WAKE_ACTIONS and not (action == "" and method == "PUT"):
+            self._check_owner(request.principal, sub_id)
         if action == "":
             if method == "PUT":
                 return await self._put(request, sub_id)
@@ -113,9 +127,56 @@ class ControlApi:
             return await self._add_streams(request, self._get(sub_id))
         elif action.startswith("streams/") and method == "DELETE":
             return await self._remove_stream(self._get(sub_id), unquote(action[len("streams/") :]))
-        elif action in ("callback", "ack", "release", "claim") and method == "POST":
+        elif action in _WAKE_ACTIONS and method == "POST":
+            # The token is checked before the subscription is looked up, so the public wake
+            # endpoints answer the same 401 whether or not an id exists.
+            self._authorized_id(request, sub_id, _WAKE_ACTIONS[action])
             return await getattr(self, f"_{action}")(request, self._get(sub_id))
+        elif action == "claim" and method == "POST":
+            return await self._claim(request, self._get(sub_id))
         raise ProtocolError(405, "METHOD_NOT_ALLOWED", f"{method} is not supported on this control path")
+
+    def _check_owner(self, principal: Principal | None, sub_id: str) -> None:
+        """With auth on, a subscription is its creator's and the admins': to anyone else it does
+        not exist (404). The creator is the same token subject holding at least the grants the
+        subscription was created with, so a narrow token of the same user (a browser's read token
+        for one stream) cannot list, delete or claim what a broader one set up."""
+        sub = self.subs.get(sub_id)
+        if principal is None or sub is None or principal.grants.admin:
+            return
+        owner = sub.owner
+        if (
+            owner is None
+            or owner.subject is None
+            or owner.subject != principal.subject
+            or not set(owner.grants.to_list()) <= set(principal.grants.to_list())
+        ):
+            raise _not_found(sub_id)
+
+    def _owner(self, principal: Principal | None, config: SubscriptionConfig) -> Owner | None:
+        """The owner a new subscription records, after checking that its creator may read every
+        stream it names and append to its wake stream."""
+        if principal is None or principal.grants.admin:
+            return None
+        grants = principal.grants
+        if principal.subject is None:
+            raise _forbidden("a subscription belongs to its creator: this token has no sub claim to own it")
+        if not any(kind in ("read", "write") for kind, _, _ in (e.partition(":") for e in grants.to_list())):
+            raise _forbidden("this token grants reading no stream, so a subscription would follow nothing")
+        owned = sum(
+            1 for sub in self.subs.values() if sub.owner is not None and sub.owner.subject == principal.subject
+        )
+        if owned >= MAX_SUBSCRIPTIONS_PER_OWNER:
+            raise _forbidden(
+                f"{principal.subject!r} owns {owned} subscriptions, the most one subject may; delete some "
+                "or ask an admin"
+            )
+        for path in config.streams:
+            if not grants.allows("read", path):
+                raise _forbidden(f"this token does not grant read on {path!r}")
+        if config.wake_stream is not None and not grants.allows("append", config.wake_stream):
+            raise _forbidden(f"pull-wake appends to {config.wake_stream!r}: this token does not grant append on it")
+        return Owner(principal.subject, grants)
 
     def _get(self, sub_id: str) -> Subscription:
         sub = self.subs.get(sub_id)
@@ -155,9 +216,16 @@ class ControlApi:
         config = SubscriptionConfig.parse(request.body)
         if config.webhook_url is not None:
             check_webhook_url(config.webhook_url, allow_loopback=self.allow_loopback)
+        owner = self._owner(request.principal, config)
         async with self._creating:
             existing = self.subs.get(sub_id)
             if existing is not None and not existing.deleted:
+                try:
+                    self._check_owner(request.principal, sub_id)
+                except ProtocolError:
+                    raise ProtocolError(
+                        409, "SUBSCRIPTION_EXISTS", f"subscription id {sub_id!r} is taken; choose another"
+                    ) from None
                 if existing.config.hash != config.hash:
                     raise ProtocolError(
                         409,
@@ -167,7 +235,7 @@ class ControlApi:
                 return await self._read(existing)
             host = request.headers.get("host") or "localhost"
             created = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-            sub = Subscription(sub_id, config, created, f"{request.scheme}://{host}")
+            sub = Subscription(sub_id, config, created, f"{request.scheme}://{host}", owner=owner)
             self.links.backfill(sub)
             await self.store.save(sub)  # saved first: a refused save leaves no trace in memory
             self.subs[sub_id] = sub
@@ -200,6 +268,11 @@ class ControlApi:
             raise bad_request("INVALID_JSON", 'the body must be {"streams": [...]}') from None
         paths = normalize_streams(raw.get("streams") if isinstance(raw, dict) else None)
         refuse_wake_stream(sub.config.wake_stream, paths)
+        principal = request.principal
+        if principal is not None:
+            for path in paths:
+                if not principal.grants.allows("read", path):
+                    raise _forbidden(f"this token does not grant read on {path!r}")
         async with sub.lock:
             if sub.deleted:
                 raise _not_found(sub.id)
@@ -222,9 +295,12 @@ class ControlApi:
     # ---- wakes -------------------------------------------------------------------------------
 
     def _authorized(self, request: Request, sub: Subscription, kind: str) -> dict:
+        return self._authorized_id(request, sub.id, kind)
+
+    def _authorized_id(self, request: Request, sub_id: str, kind: str) -> dict:
         header = request.headers.get("authorization") or ""
         scheme, _, token = header.partition(" ")
-        claims = self.keys.check_token(token.strip(), sub.id, kind) if scheme.lower() == "bearer" else None
+        claims = self.keys.check_token(token.strip(), sub_id, kind) if scheme.lower() == "bearer" else None
         if claims is None:
             raise ProtocolError(
                 401, "UNAUTHORIZED", f"a valid {kind} token is required (Authorization: Bearer ...)"

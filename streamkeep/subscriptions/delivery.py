@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -61,6 +62,9 @@ class Delivery:
         self.now = now
         self._nursery: trio.Nursery | None = None
         self._http: httpx.AsyncClient | None = None
+        # For metrics: webhook posts answered 2xx ("delivered") or not ("failed"), posts after a
+        # failure ("retried"), and wake events appended to pull-wake streams ("announced").
+        self.counts: Counter[str] = Counter()
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[None]:
@@ -159,6 +163,7 @@ class Delivery:
             )
             pending = await self.supervisor.call(wake_stream, "append", spec)
             await pending.wait()
+            self.counts["announced"] += 1
         except Exception as error:
             # Withdrawn in memory only: a saved wake is void after a restart anyway, and a wake
             # nobody was told about must not block the next one.
@@ -175,8 +180,11 @@ class Delivery:
         """POSTs the signed wake, then records the outcome. Never raises: a failure of ours
         counts as a failed attempt (retried with backoff) or, past the POST, leaves the wake to
         its lease."""
+        if sub.attempts:
+            self.counts["retried"] += 1
         try:
             ok, done = await self._post(sub, wake)
+            self.counts["delivered" if ok else "failed"] += 1
         except Exception as error:  # a bug building or sending the wake
             self.faults.failed(sub, "webhook delivery", error)
             ok = done = False

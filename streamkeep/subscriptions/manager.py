@@ -108,4 +108,5 @@ class SubscriptionManager:
             "webhooks_retrying": sum(1 for sub in subs if sub.status == "failed"),
             "task_failures": faults.task_failures,
             "last_error": faults.last_error,
+            "deliveries": dict(self.delivery.counts),
         }

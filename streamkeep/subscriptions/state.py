@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import trio
 
+from streamkeep.auth.scopes import Grants
 from streamkeep.protocol import offsets
 from streamkeep.subscriptions.config import SubscriptionConfig
 
@@ -44,6 +45,24 @@ class Tail(NamedTuple):
     stream_id: str | None
 
 
+@dataclass(frozen=True)
+class Owner:
+    """Who created a subscription with auth on, and what their token could read then. A glob
+    cannot be checked against streams that do not exist yet, so every stream it would link is
+    checked against these grants when it is linked: a token for `a/**` subscribing to `**`
+    follows `a/...` streams only."""
+
+    subject: str | None
+    grants: Grants
+
+    def to_json(self) -> dict:
+        return {"subject": self.subject, "grants": self.grants.to_list()}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> Owner:
+        return cls(raw.get("subject"), Grants.from_list(raw.get("grants") or []))
+
+
 @dataclass
 class Wake:
     wake_id: str
@@ -59,6 +78,7 @@ class Subscription:
     config: SubscriptionConfig
     created_at: str
     base_url: str
+    owner: Owner | None = None  # None: created with auth off, follows any stream
     links: dict[str, Link] = field(default_factory=dict)
     generation: int = 0
     wake: Wake | None = None
@@ -85,7 +105,7 @@ class Subscription:
         asks, and mostly about paths that never match."""
         hit = self._matches.get(path)
         if hit is None:
-            hit = self.config.matches(path)
+            hit = self.config.matches(path) and (self.owner is None or self.owner.grants.allows("read", path))
             if len(self._matches) >= MATCH_CACHE_SIZE:
                 del self._matches[next(iter(self._matches))]  # the oldest entry
             self._matches[path] = hit
@@ -127,6 +147,7 @@ class Subscription:
             "config": self.config.to_json(),
             "created_at": self.created_at,
             "base_url": self.base_url,
+            "owner": None if self.owner is None else self.owner.to_json(),
             "links": {
                 path: [link.acked, link.explicit, link.glob, link.stream_id]
                 for path, link in self.links.items()
@@ -149,6 +170,8 @@ class Subscription:
     @classmethod
     def from_state(cls, raw: dict) -> Subscription:
         sub = cls(raw["id"], SubscriptionConfig.from_json(raw["config"]), raw["created_at"], raw["base_url"])
+        if raw.get("owner") is not None:
+            sub.owner = Owner.from_json(raw["owner"])
         sub.links = {path: _link(value) for path, value in raw["links"].items()}
         sub.generation = raw["generation"]
         sub.status = raw["status"]

@@ -1,0 +1,35 @@
+"""What `--metrics-port` serves: `/metrics`, `/healthz` and `/readyz`, nothing else, without auth.
+
+A port of its own keeps the metrics off the public listener (and its auth) altogether: bind it
+where only Prometheus reaches. The lean edge serves it; this is the service it calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from streamkeep import routes
+from streamkeep.protocol import responses
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.model import Request, Response
+from streamkeep.service import METRICS_CONTENT_TYPE, Service
+
+
+class MetricsEndpoint:
+    def __init__(self, service: Service, page: Callable[[], bytes]) -> None:
+        self.service = service
+        self.page = page
+        self.options = service.options  # the edge reads its stall timeout
+        self.cors = service.cors
+
+    async def handle(self, request: Request) -> Response:
+        route = routes.classify(request) if not request.raw_path.startswith("/v1/") else routes.Route(routes.OTHER)
+        if route.kind == routes.METRICS:
+            return Response(200, [("Content-Type", METRICS_CONTENT_TYPE), ("Cache-Control", "no-store")], self.page())
+        if route.kind == routes.HEALTH:
+            return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
+        if route.kind == routes.READY:
+            return await self.service._ready()
+        return responses.error(
+            ProtocolError(404, "not_found", "this port serves /metrics, /healthz and /readyz only")
+        )
