@@ -136,6 +136,26 @@ def jwks_location(value: Any) -> str:
     return location
 
 
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def duration(value: Any) -> float:
+    """Seconds from a number or `90s`, `15m`, `12h`, `7d`, `2w`; 0 is off."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        text_value = str(value).strip().lower()
+        unit = text_value[-1:] if text_value[-1:] in _DURATION_UNITS else "s"
+        digits = text_value[:-1] if text_value[-1:] in _DURATION_UNITS else text_value
+        try:
+            number = float(digits) * _DURATION_UNITS[unit]
+        except ValueError:
+            raise ValueError("expected a duration like 3600, 90s, 15m, 12h or 7d") from None
+    if not number >= 0 or number == float("inf"):
+        raise ValueError("expected 0 (off) or a positive duration")
+    return number
+
+
 def existing_file(value: Any) -> str:
     path = Path(str(value)).expanduser()
     if not path.is_file():
@@ -532,6 +552,31 @@ SETTINGS: tuple[Setting, ...] = (
         flag="--quota-burst",
     ),
     Setting(
+        "retention",
+        "max_age",
+        duration,
+        0.0,
+        "drop a stream's sealed segments once their last append is this old (7d, 12h; 0: keep); "
+        "the default rule, after any [[retention]] rules in the TOML file",
+        flag="--retention-max-age",
+    ),
+    Setting(
+        "retention",
+        "max_bytes",
+        byte_size,
+        0,
+        "drop a stream's oldest sealed segments while it holds more than this without them (0: keep)",
+        flag="--retention-max-bytes",
+    ),
+    Setting(
+        "retention",
+        "interval",
+        seconds,
+        30.0,
+        "seconds between retention passes",
+        flag="--retention-interval",
+    ),
+    Setting(
         "metrics",
         "enabled",
         boolean,
@@ -573,6 +618,7 @@ def load(
 ) -> SimpleNamespace:
     """Effective settings as `settings.server.port` etc.; raises ConfigError naming the setting."""
     values: dict[tuple[str, str], Any] = {(s.section, s.name): s.default for s in SETTINGS}
+    rules: list[dict[str, Any]] = []
     by_key = {(s.section, s.name): s for s in SETTINGS}
     by_key.update({(s.section, old): s for s in SETTINGS for old in s.old_names})
     if config_file:
@@ -584,6 +630,9 @@ def load(
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"--config {path}: not valid TOML: {error}") from None
         for section, table in document.items():
+            if section == "retention" and isinstance(table, list):
+                rules.extend(_retention_rules(table, path))
+                continue
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
             for name, raw in table.items():
@@ -617,10 +666,44 @@ def load(
             LinkKeys.parse(values[("auth", "link_keys")])
         except ValueError as error:
             raise ConfigError(f"auth.link_keys: {error}") from None
+    if values[("retention", "max_age")] or values[("retention", "max_bytes")]:
+        rules.append(
+            {
+                "streams": "**",
+                "max_age": values[("retention", "max_age")] or None,
+                "max_bytes": values[("retention", "max_bytes")] or None,
+            }
+        )
+    if rules and values[("storage", "mode")] != "disk":
+        raise ConfigError("retention needs storage.mode disk: it drops segment files")
     sections: dict[str, dict[str, Any]] = {}
     for (section, name), value in values.items():
         sections.setdefault(section, {})[name] = value
+    sections["retention"]["rules"] = rules
     return SimpleNamespace(**{section: SimpleNamespace(**items) for section, items in sections.items()})
+
+
+def _retention_rules(tables: list[Any], path: Path) -> list[dict[str, Any]]:
+    """`[[retention]]` tables: `streams` (a glob), `max_age`, `max_bytes`; the first match wins."""
+    rules = []
+    for number, table in enumerate(tables, 1):
+        where = f"{path}: [[retention]] number {number}"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table")
+        unknown = set(table) - {"streams", "max_age", "max_bytes"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (streams, max_age, max_bytes)")
+        streams = table.get("streams")
+        if not isinstance(streams, str) or not streams:
+            raise ConfigError(f'{where} needs streams = "GLOB" (e.g. "logs/**")')
+        try:
+            max_age = duration(table["max_age"]) if "max_age" in table else 0.0
+            max_bytes = byte_size(table["max_bytes"]) if "max_bytes" in table else 0
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"{where}: {error}") from None
+        # A rule with neither limit keeps its streams whole: a way to exempt them from later rules.
+        rules.append({"streams": streams, "max_age": max_age or None, "max_bytes": max_bytes or None})
+    return rules
 
 
 def cli_dest(setting: Setting) -> str:

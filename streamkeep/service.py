@@ -209,7 +209,7 @@ class Service:
                 return await self._read(name, request)
             if kind == routes.HEAD:
                 view = await self.supervisor.call(name, "head")
-                return responses.head(view.meta, view.tail)
+                return responses.head(view.meta, view.tail, view.floor)
             if kind == routes.CREATE or kind == routes.FORK:
                 return await self._create(name, request)
             if kind == routes.DELETE:

@@ -358,3 +358,40 @@ async def test_objects_a_bucket_refuses_to_delete_are_retried(tmp_path: Path, mo
                 await trio.sleep(0.2)
         assert store.refused == 2
         nursery.cancel_scope.cancel()
+
+
+def test_retention_removes_objects_from_the_bucket_and_survives_kill_9(tmp_path: Path, moto: Moto) -> None:
+    """Age retention on the cold tier: the floor moves, the dropped segments' objects leave the
+    bucket, the manifest lists only what is kept, and a kill -9 changes none of it."""
+    extra = ("--segment-max-messages", "2", "--retention-max-bytes", "40", "--retention-interval", "0.3")
+    server = cold_server(tmp_path, moto, *extra)
+    url = f"{server.url}/v1/stream/kept"
+    try:
+        httpx.put(url, headers=OCTETS)
+        for n in range(20):
+            assert httpx.post(url, content=b"%09d;" % n, headers=OCTETS).status_code == 204
+        wait_until(lambda: len(moto.keys("archive", "prod/streams/kept/")) >= 3, what="uploads")
+
+        def floor() -> int:
+            token = httpx.head(url).headers["stream-earliest-offset"]
+            return int(token.rsplit("_", 1)[1])
+
+        wait_until(lambda: floor() >= 100, what="the floor to move")
+        wait_until(lambda: len(moto.keys("archive", "prod/streams/kept/")) <= 3, what="objects to go")
+        kept = read_all(url)
+        assert kept == b"".join(b"%09d;" % n for n in range(floor() // 10, 20))
+        server.stop(signal.SIGKILL)
+        server = cold_server(tmp_path, moto, *extra)
+        url = f"{server.url}/v1/stream/kept"
+        assert read_all(url) == kept
+        old = httpx.get(url, params={"offset": "0000000000000000_0000000000000000"})
+        assert old.status_code == 410 and old.json()["error"]["code"] == "offset_before_floor"
+        server.stop()
+        verify = subprocess.run(
+            [sys.executable, "-m", "streamkeep", "archive", "verify", "--data-dir", str(tmp_path),
+             "--cold-url", "s3://archive/prod", "--cold-endpoint", moto.url],
+            capture_output=True, text=True, env={**os.environ, **CREDENTIALS}, timeout=60,
+        )  # fmt: skip
+        assert verify.returncode == 0 and "0 problems" in verify.stdout, verify.stdout + verify.stderr
+    finally:
+        server.stop()

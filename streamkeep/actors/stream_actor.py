@@ -25,7 +25,7 @@ from streamkeep.protocol.headers import media_type
 from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSpec, StreamMeta
 from streamkeep.storage import forks
 from streamkeep.storage.base import AppendRecord, Commit, Storage, StreamLog
-from streamkeep.storage.errors import STORAGE_ERRORS, StorageUnavailable, as_protocol_error
+from streamkeep.storage.errors import STORAGE_ERRORS, StorageUnavailable, as_protocol_error, below_floor
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class StreamView:
 
     meta: StreamMeta
     tail: int
+    floor: int = 0  # the earliest position readers may ask for (retention moves it up)
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class StreamActor:
     def _view(self, stream_log: StreamLog) -> StreamView:
         meta = rules.copy_meta(stream_log.meta)
         meta.closed = stream_log.published_closed
-        return StreamView(meta, stream_log.published_tail)
+        return StreamView(meta, stream_log.published_tail, stream_log.floor)
 
     async def _existing(self, now: float) -> StreamLog:
         stream_log = self._storage.open(self.name)
@@ -327,6 +328,8 @@ class StreamActor:
             )
         if fork.offset is not None:
             self._check_incarnation(stream_log, fork.offset.incarnation)
+        if position < stream_log.floor:
+            raise below_floor(stream_log.floor, meta.incarnation)
         if meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
             raise bad_request(
                 "invalid_fork_offset", "Stream-Fork-Offset is not at a message boundary of the source"
@@ -433,12 +436,14 @@ class StreamActor:
         if start == "now":
             position = view.tail
         elif start == "-1":
-            position = 0
+            position = view.floor  # the earliest data kept
         else:
             position = start.position
             if position > view.tail:
                 raise bad_request("offset_out_of_range", "offset is past the end of the stream")
             self._check_incarnation(stream_log, start.incarnation)
+            if position < view.floor:
+                raise below_floor(view.floor, view.meta.incarnation)
             if view.meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
                 raise bad_request("invalid_offset", "offset is not at a message boundary of this JSON stream")
         return ReadPlan(view, position, stream_log, self._changed)

@@ -33,6 +33,7 @@ from streamkeep.storage.base import ByteBudget
 from streamkeep.storage.coldstore import ColdConfig, S3Store
 from streamkeep.storage.disk import DiskStorage
 from streamkeep.storage.memory import MemoryStorage
+from streamkeep.storage.retention import Retention, RetentionRule
 from streamkeep.subscriptions.manager import SubscriptionManager
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.telemetry import prometheus
@@ -260,6 +261,17 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             service.stats_sources["storage"] = storage.stats
         if archiver is not None:
             service.stats_sources["cold"] = archiver.stats
+        if isinstance(storage, DiskStorage) and settings.retention.rules:
+            supervisor = service.supervisor
+            retention = Retention(
+                storage,
+                [RetentionRule(**rule) for rule in settings.retention.rules],
+                interval=settings.retention.interval,
+                notify=lambda name: [listener(name) for listener in list(supervisor.listeners)],
+            )
+            sources.retention = retention
+            service.stats_sources["retention"] = retention.stats
+            nursery.start_soon(supervised, "retention", retention.run, retention.health)
         nursery.start_soon(supervised, "TTL sweep", service.sweep_expired, service.health)
         state = data_dir
         keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")

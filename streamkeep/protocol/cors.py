@@ -14,7 +14,7 @@ EXPOSE_HEADERS = (
     "Stream-Next-Offset, Stream-Cursor, Stream-Up-To-Date, Stream-Closed, Stream-TTL, "
     "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
     "Producer-Expected-Seq, Producer-Received-Seq, ETag, Location, Content-Type, Retry-After, "
-    "WWW-Authenticate"
+    "WWW-Authenticate, Stream-Earliest-Offset"
 )
 # On every response, whatever the origin: the browser-safety headers of §12.7.
 SAFETY = [("X-Content-Type-Options", "nosniff"), ("Cross-Origin-Resource-Policy", "cross-origin")]

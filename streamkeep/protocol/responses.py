@@ -61,8 +61,11 @@ def created(status: int, meta: StreamMeta, tail: int, location: str) -> Response
     return Response(status, headers)
 
 
-def head(meta: StreamMeta, tail: int) -> Response:
+def head(meta: StreamMeta, tail: int, floor: int = 0) -> Response:
     headers = stream_headers(meta, tail)
+    # The earliest offset a reader can start from (retention moves it up; PROTOCOL.md lets a
+    # server drop old data). Its name is ours; clients that do not know it ignore it.
+    headers.append(("Stream-Earliest-Offset", encode(floor, meta.incarnation)))
     headers.append(("Cache-Control", NO_STORE))
     headers.append(("ETag", etag(meta, "-1", tail, meta.closed)))
     if meta.ttl_seconds is not None:

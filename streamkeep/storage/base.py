@@ -119,6 +119,9 @@ class StreamLog(Protocol):
     @property
     def published_closed(self) -> bool: ...
 
+    # Readers see nothing before it (410); `fork_base` until retention moves it (disk storage).
+    floor: int
+
     @property
     def pending(self) -> int:
         """Appends submitted but not yet published."""

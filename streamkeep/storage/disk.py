@@ -270,7 +270,7 @@ class DiskStorage:
             finally:
                 stream_log.deleting.set()
                 stream_log.deleting = None
-        self.budget.release(stream_log.tail - stream_log.meta.fork_base)
+        self.budget.release(stream_log.tail - stream_log.held_from)
         if uncertain is not None:  # its objects stay: a power cut may bring the stream back
             raise not_durable(f"delete of {name!r}", uncertain)
         if keys and self.cold is not None:
@@ -334,6 +334,8 @@ class DiskStorage:
         stream_log = DiskLog(self, loaded.directory, loaded.meta)
         stream_log.cold_entries = loaded.cold_entries
         stream_log.segments = loaded.segments
+        if loaded.floor is not None:
+            stream_log.adopt_floor(loaded.floor)
         for segment, record in loaded.records:
             stream_log.index_record(segment, record, None)
         stream_log.adopt_durable_state(loaded.last_ms)
@@ -341,7 +343,7 @@ class DiskStorage:
             stream_log.writer.synced_size = stream_log.active_segment.size
         stream_log.writer.needs_repair = loaded.needs_repair
         self._logs[stream_log.meta.name] = stream_log
-        self.budget.total_bytes += stream_log.tail - stream_log.meta.fork_base
+        self.budget.total_bytes += stream_log.tail - stream_log.held_from
         return stream_log
 
     def _link_forks(self, report: RecoveryReport) -> None:
@@ -384,7 +386,7 @@ class DiskStorage:
                         log.warning("recovery: %s: cannot finish deleting it now: %s", name, error)
                         continue
                     del self._logs[name]
-                    self.budget.total_bytes -= stream_log.tail - stream_log.meta.fork_base
+                    self.budget.total_bytes -= stream_log.tail - stream_log.held_from
                     parent = self._logs.get(stream_log.meta.forked_from or "")
                     if parent is not None:
                         parent.meta.fork_count -= 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 
+from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, not_found
 from streamkeep.storage.files import NotDurable
 
@@ -48,6 +49,32 @@ class StreamDeleted(Exception):
     """The stream was deleted while this operation was on its way (it is answered 404)."""
 
 
+class RetainedAway(Exception):
+    """The data asked for was dropped by retention (before or while the read ran): 410 with the
+    earliest offset a reader can resume from."""
+
+    def __init__(self, floor: int, incarnation: int) -> None:
+        super().__init__(f"retained away below position {floor}")
+        self.floor = floor
+        self.incarnation = incarnation
+
+
+EARLIEST_OFFSET_HEADER = "Stream-Earliest-Offset"
+
+
+def below_floor(floor: int, incarnation: int) -> ProtocolError:
+    """410 for an offset before what the stream keeps, naming where a reader can resume."""
+    earliest = offsets.encode(floor, incarnation)
+    return ProtocolError(
+        410,
+        "offset_before_floor",
+        f"the data at that offset was dropped by the stream's retention; the earliest offset kept is "
+        f"{earliest} (also in {EARLIEST_OFFSET_HEADER}): read from there or from offset=-1, after "
+        "clearing any state built from what came before",
+        [(EARLIEST_OFFSET_HEADER, earliest)],
+    )
+
+
 def is_disk_full(error: OSError) -> bool:
     return error.errno in _FULL_ERRNOS
 
@@ -82,9 +109,13 @@ def below_reserve(what: str, free: int, reserve: int) -> StorageUnavailable:
     )
 
 
-def as_protocol_error(error: StorageFull | StorageUnavailable | StreamDeleted, name: str) -> ProtocolError:
+def as_protocol_error(
+    error: StorageFull | StorageUnavailable | StreamDeleted | RetainedAway, name: str
+) -> ProtocolError:
     if isinstance(error, StreamDeleted):
         return not_found(name)
+    if isinstance(error, RetainedAway):
+        return below_floor(error.floor, error.incarnation)
     if isinstance(error, StorageFull):
         if error.per_stream:
             return ProtocolError(413, "stream_too_large", str(error))
@@ -92,4 +123,4 @@ def as_protocol_error(error: StorageFull | StorageUnavailable | StreamDeleted, n
     return ProtocolError(error.status, error.code, str(error), RETRY_AFTER)
 
 
-STORAGE_ERRORS = (StorageFull, StorageUnavailable, StreamDeleted)
+STORAGE_ERRORS = (StorageFull, StorageUnavailable, StreamDeleted, RetainedAway)

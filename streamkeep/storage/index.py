@@ -25,6 +25,8 @@ class Segment:
     cold_key: str | None = None  # its object in the bucket, once uploaded and verified
     local: bool = True  # False once the local copy is gone: reads go to the bucket
     first_ms: int | None = None  # append time of its first record: the segment's age
+    last_ms: int | None = None  # append time of its last record: when retention by age may drop it
+    retained_away: bool = False  # dropped by retention: a read that still holds it answers 410
     last_record_at: int | None = None  # where its last append record starts in the file
 
 
@@ -42,12 +44,28 @@ class Entry:
 
 
 class RecordIndex:
+    """The published records in position order. Retention drops a prefix; `dropped` counts the
+    entries gone before `entries[0]`, so `dropped + i` names a record for its whole life (the
+    tail cache's keys) however many go before it."""
+
     def __init__(self) -> None:
         self._starts: list[int] = []  # a plain list beside the entries, for bisect
         self.entries: list[Entry] = []
+        self.dropped = 0
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def drop_before(self, position: int) -> int:
+        """Forgets the records that end at or before `position`; returns how many went."""
+        count = bisect_right(self._starts, position)
+        while count and self.entries[count - 1].end > position:
+            count -= 1
+        if count:
+            del self._starts[:count]
+            del self.entries[:count]
+            self.dropped += count
+        return count
 
     def add(self, entry: Entry) -> None:
         self._starts.append(entry.start)

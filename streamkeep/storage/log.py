@@ -28,10 +28,12 @@ from streamkeep.protocol.stream import ProducerMark, ProducerState, StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 from streamkeep.storage import files, manifest
+from streamkeep.storage import floor as floors
 from streamkeep.storage.base import AppendRecord, ByteBudget, Commit, ReadResult, resolved
 from streamkeep.storage.committer import Batch, Committer
-from streamkeep.storage.errors import StorageUnavailable, StreamDeleted, from_os_error
+from streamkeep.storage.errors import RetainedAway, StorageUnavailable, StreamDeleted, from_os_error
 from streamkeep.storage.files import FileSystem
+from streamkeep.storage.floor import FloorCheckpoint
 from streamkeep.storage.index import Entry, RecordIndex, Segment, TailCache
 from streamkeep.storage.tiering import ColdTier
 from streamkeep.storage.writer import (
@@ -86,6 +88,9 @@ class DiskLog:
         self.deleted = False
         self.deleting: trio.Event | None = None  # set when a delete in progress has its outcome
         self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier
+        # Retention (retention.py): readers see nothing before `floor` (410); the files before it
+        # may stay a while for forks that pin them (`segments[0].start` is what is still held).
+        self.floor = 0  # a fork shows its source from 0
 
     # ---- state views --------------------------------------------------------------------
 
@@ -135,6 +140,7 @@ class DiskLog:
         self._pub_tail = record.start + record.payload_len
         if segment.appends == 0:
             segment.first_ms = record.time_ms
+        segment.last_ms = record.time_ms
         segment.appends += 1
         segment.size = max(segment.size, record.end)
         segment.last_record_at = record.file_offset
@@ -149,7 +155,30 @@ class DiskLog:
             if producer is not None:
                 self._durable_meta.closed_by = ProducerMark(*producer)
         if payload is not None:
-            self._cache.put(len(self.index) - 1, payload)
+            self._cache.put(self.index.dropped + len(self.index) - 1, payload)
+
+    def adopt_floor(self, checkpoint: FloorCheckpoint) -> None:
+        """At recovery, before the records still there are indexed: what the dropped ones decided."""
+        self.floor = max(self.floor, checkpoint.floor)
+        self._durable_producers.update(checkpoint.producers)
+        self._durable_meta.last_stream_seq = checkpoint.last_stream_seq
+        if checkpoint.closed:
+            self._pub_closed = True
+            self._durable_meta.closed = True
+            self._durable_meta.closed_by = checkpoint.closed_by
+        self._pub_tail = max(self._pub_tail, checkpoint.floor)
+
+    def checkpoint_at(self, floor: int) -> FloorCheckpoint:
+        """The durable state now, as a floor checkpoint at `floor`."""
+        meta = self._durable_meta
+        return FloorCheckpoint(
+            floor, dict(self._durable_producers), meta.last_stream_seq, self._pub_closed, meta.closed_by
+        )
+
+    @property
+    def held_from(self) -> int:
+        """The first position whose bytes this stream still holds (its own, not a source's)."""
+        return self.segments[0].start if self.segments else self.floor
 
     def adopt_durable_state(self, last_append_ms: int | None) -> None:
         """After loading: the accepted state starts equal to the durable one."""
@@ -175,7 +204,7 @@ class DiskLog:
         if blocked is not None:
             raise StorageUnavailable(blocked, status=503, code="cold_backlog")
         added = sum(len(m) for m in record.messages)
-        storage.budget.reserve(self._tail - self.meta.fork_base, added)
+        storage.budget.reserve(self._tail - self.held_from, added)
         pending = Pending(record, self._tail, Commit(), int(time.time() * 1000))
         self._tail += added
         # The record's meta is a fresh copy made for this append; only last_access is ever
@@ -368,9 +397,10 @@ class DiskLog:
 
     async def record_upload(self, segment: Segment, entry: dict) -> bool:
         """Notes an uploaded, verified segment in the manifest (after writing its index sidecar).
-        False if the stream was deleted meanwhile (the object is then an orphan to delete)."""
+        False if the stream was deleted or the segment retained away meanwhile (the object is then
+        an orphan to delete)."""
         async with self.exclusive():
-            if self.deleted:
+            if self.deleted or segment.retained_away:
                 return False
             entries = [*self.cold_entries, entry]
             fs = self._storage.fs
@@ -382,10 +412,62 @@ class DiskLog:
     async def drop_local(self, segment: Segment) -> None:
         """Removes the local copy of an uploaded segment: its reads go to the bucket from now on."""
         async with self.exclusive():
-            if self.deleted or not segment.local or segment.cold_key is None:
+            if self.deleted or not segment.local or segment.cold_key is None or segment.retained_away:
                 return
             segment.local = False
             await self._storage.run_io(files.unlink_quietly, self._storage.fs, segment.path)
+
+    # ---- retention (retention.py decides; this does it, crash-safely) ----------------
+
+    async def raise_floor(self, new_floor: int) -> bool:
+        """Moves the floor readers see up to `new_floor` (a segment start), the checkpoint made
+        durable before anything below it goes. False if there was nothing to move."""
+        async with self.exclusive():
+            if self.deleted or new_floor <= self.floor:
+                return False
+            checkpoint = self.checkpoint_at(new_floor)
+            try:
+                await self._storage.run_io(floors.save, self._storage.fs, self.directory, checkpoint)
+            except OSError as error:
+                raise from_os_error(error, f"retention checkpoint of {self.meta.name!r}") from None
+            self.floor = new_floor
+            return True
+
+    async def drop_held(self, limit: int) -> tuple[int, list[str]]:
+        """Deletes the sealed segments that end at or before `limit` (never past the floor): the
+        manifest without them first, then their files, oldest first (docs/segment-format.md,
+        "Retention"). Returns the bytes freed and the bucket keys to delete."""
+        async with self.exclusive():
+            limit = min(limit, self.floor)
+            sealed = self.segments[:-1]
+            count = 0
+            while count < len(sealed) and self.segments[count + 1].start <= limit:
+                count += 1
+            if self.deleted or not count:
+                return 0, []
+            doomed = self.segments[:count]
+            new_start = self.segments[count].start
+            names = {segment.path.name for segment in doomed}
+            entries = [entry for entry in self.cold_entries if entry["file"] not in names]
+            keys = [segment.cold_key for segment in doomed if segment.cold_key is not None]
+            for segment in doomed:
+                segment.retained_away = True  # reads that hold it now answer 410
+            fs = self._storage.fs
+            manifest_changed = len(entries) != len(self.cold_entries)
+            try:
+                await self._storage.run_io(
+                    _drop_files, fs, self.directory, doomed, entries if manifest_changed else None
+                )
+            except OSError as error:
+                for segment in doomed:
+                    segment.retained_away = False
+                raise from_os_error(error, f"retention of {self.meta.name!r}") from None
+            freed = new_start - self.segments[0].start
+            self.cold_entries = entries
+            del self.segments[:count]
+            self.index.drop_before(new_start)
+            self._storage.budget.release(freed)
+            return freed, keys
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -393,18 +475,23 @@ class DiskLog:
         tail = self._pub_tail
         if start >= tail:
             return ReadResult([], tail)
-        entries = self.index.entries
-        first = self.index.find(start)
+        index = self.index
+        entries = index.entries
+        first = index.find(start)
+        if first < 0 or start < self.held_from:
+            raise RetainedAway(self.floor, self.meta.incarnation)
         last = first + 1
         size = entries[first].length
         while last < len(entries) and size + entries[last].length <= max_bytes:
             size += entries[last].length
             last += 1
-        payloads = await self._payloads(first, last)
+        # Taken before any await: retention may drop a prefix of the index meanwhile.
+        chosen = entries[first:last]
+        payloads = await self._payloads(chosen, index.dropped + first)
         messages: list[bytes] = []
-        end = entries[last - 1].end
+        end = chosen[-1].end
         if whole_messages:
-            for entry, payload in zip(entries[first:last], payloads, strict=True):
+            for entry, payload in zip(chosen, payloads, strict=True):
                 at, cut = entry.start, 0
                 # A close-only append holds no message (a JSON value is never empty).
                 for length in entry.messages or ([len(payload)] if payload else []):
@@ -413,29 +500,29 @@ class DiskLog:
                     at += length
                     cut += length
             return ReadResult(messages, end)
-        head = payloads[0][start - entries[first].start :]
+        head = payloads[0][start - chosen[0].start :]
         if len(head) > max_bytes:
             return ReadResult([head[:max_bytes]], start + max_bytes)
         return ReadResult([head, *payloads[1:]], end)
 
-    async def _payloads(self, first: int, last: int) -> list[bytes]:
-        entries = self.index.entries
+    async def _payloads(self, entries: list[Entry], first_key: int) -> list[bytes]:
+        """The payloads of `entries`, whose first has tail-cache key `first_key`."""
         found: dict[int, bytes] = {}
         missing: dict[int, list[int]] = {}
-        for index in range(first, last):
-            cached = self._cache.get(index)
+        for number, entry in enumerate(entries):
+            cached = self._cache.get(first_key + number)
             if cached is not None:
-                found[index] = cached
+                found[number] = cached
             else:
-                missing.setdefault(id(entries[index].segment), []).append(index)
-        for indexes in missing.values():
-            head, tail = entries[indexes[0]], entries[indexes[-1]]
+                missing.setdefault(id(entry.segment), []).append(number)
+        for numbers in missing.values():
+            head, tail = entries[numbers[0]], entries[numbers[-1]]
             begin = head.payload_at
             data = await self._read_segment(head.segment, begin, tail.payload_at + tail.length - begin)
-            for index in indexes:
-                at = entries[index].payload_at - begin
-                found[index] = data[at : at + entries[index].length]
-        return [found[index] for index in range(first, last)]
+            for number in numbers:
+                at = entries[number].payload_at - begin
+                found[number] = data[at : at + entries[number].length]
+        return [found[number] for number in range(len(entries))]
 
     async def _read_segment(self, segment: Segment, begin: int, length: int) -> bytes:
         storage = self._storage
@@ -450,6 +537,8 @@ class DiskLog:
                     await self.deleting.wait()
                 if self.deleted:
                     raise StreamDeleted() from None
+                if segment.retained_away:
+                    raise RetainedAway(self.floor, self.meta.incarnation) from None
                 if segment.cold_key is None:
                     raise StorageUnavailable(
                         f"{what}: segment file {segment.path.name} is missing", status=503
@@ -473,6 +562,8 @@ class DiskLog:
         try:
             return await storage.cold.read(segment.cold_key, begin, length)
         except Exception as error:  # S3 down, timeouts, missing objects: never wrong or partial data
+            if segment.retained_away:
+                raise RetainedAway(self.floor, self.meta.incarnation) from None
             if self.deleted:
                 # Deleted while this read was on its way: its objects go once the delete is
                 # durable (DiskStorage.delete), so a missing object is the delete, not the bucket.
@@ -482,6 +573,18 @@ class DiskLog:
                 status=503,
                 code="cold_tier_unavailable",
             ) from None
+
+
+def _drop_files(fs: FileSystem, directory: Path, doomed: list[Segment], entries: list[dict] | None) -> None:
+    """The manifest without the doomed segments, then their files oldest first: a crash leaves a
+    suffix of them (recovery skips a gap below the floor) and bucket objects no manifest lists,
+    which `archive verify` finds."""
+    if entries is not None:
+        manifest.save_manifest(fs, directory, entries)
+    for segment in doomed:
+        files.unlink_quietly(fs, segment.path)
+        files.unlink_quietly(fs, str(segment.path) + manifest.INDEX_SUFFIX)
+    files.fsync_dir(fs, directory)
 
 
 def _record_upload(fs: FileSystem, segment_path: Path, directory: Path, entries: list[dict]) -> None:

@@ -24,6 +24,7 @@ class MemoryLog:
         self._ends: list[int] = []
         self._append_ends: list[int] = []
         self._base = meta.fork_base
+        self.floor = 0  # retention runs on disk storage only
 
     @property
     def tail(self) -> int:

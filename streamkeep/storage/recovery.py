@@ -22,8 +22,10 @@ import cbor2
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 from streamkeep.storage import files, manifest
+from streamkeep.storage import floor as floors
 from streamkeep.storage.directory import DataDirectory
 from streamkeep.storage.files import FileSystem
+from streamkeep.storage.floor import FloorCheckpoint
 from streamkeep.storage.index import Segment
 from streamkeep.storage.meta import decode_meta
 
@@ -52,6 +54,7 @@ class Loaded:
         self.segments: list[Segment] = []
         self.records: list[tuple[Segment, fmt.Record]] = []
         self.last_ms: int | None = None
+        self.floor: FloorCheckpoint | None = None  # set once retention dropped data
         # A torn tail that could not be cut now (a full or failing disk): the writer cuts it
         # before it writes anything (SegmentWriter.repair); reads never look past the records.
         self.needs_repair = False
@@ -87,6 +90,8 @@ def recover(
 
 def _recover_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Loaded:
     loaded = Loaded(directory, files.read_file(fs, directory / layout.META))
+    loaded.floor = floors.load(fs, directory)
+    floor = loaded.floor.floor if loaded.floor is not None else None
     name = loaded.meta.name
     cold_entries = {entry["file"]: entry for entry in manifest.load_manifest(fs, directory)}
     loaded.cold_entries = list(cold_entries.values())
@@ -99,6 +104,12 @@ def _recover_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> 
         path = directory / file_name
         is_last = number == len(names) - 1
         entry = cold_entries.get(file_name)
+        start = layout.segment_start(file_name)
+        if start != expected and floor is not None and expected < start <= floor:
+            # A retention drop a crash interrupted: it removed the manifest entries first and
+            # files oldest first, so what is left before this gap was being dropped too.
+            _forget_before(fs, loaded, name, start, report)
+            expected = start
         if file_name not in local:  # only in the bucket: its index sidecar stands in for it
             segment = Segment(expected, path, entry["size"], cold_key=entry["key"], local=False)
             loaded.segments.append(segment)
@@ -156,6 +167,17 @@ def _recover_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> 
             loaded.last_ms = record.time_ms
     report.records += len(loaded.records)
     return loaded
+
+
+def _forget_before(fs: FileSystem, loaded: Loaded, name: str, start: int, report: RecoveryReport) -> None:
+    for segment in loaded.segments:
+        if segment.local:
+            files.unlink_quietly(fs, segment.path)
+            files.unlink_quietly(fs, str(segment.path) + manifest.INDEX_SUFFIX)
+    loaded.segments.clear()
+    loaded.records.clear()
+    report.repaired.append(f"{name}: finished an interrupted retention drop below position {start}")
+    log.warning("recovery: %s: finished an interrupted retention drop below position %d", name, start)
 
 
 def _truncate(fs: FileSystem, path: Path, size: int) -> None:

@@ -25,6 +25,7 @@ from streamkeep.subscriptions.state import UNKNOWN_STREAM_ID, Link, Subscription
 class Links:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self.cursor_jumps = 0  # cursors moved up to a retention floor (metrics)
 
     def _live(self, path: str) -> StreamLog | None:
         stream_log = self.storage.open(path)
@@ -68,6 +69,13 @@ class Links:
             link.stream_id = meta.stream_id  # an old state file: it counted in this incarnation
         elif link.stream_id != meta.stream_id:
             link.acked, link.stream_id = meta.fork_base, meta.stream_id
+        link = sub.links.get(path)
+        if link is not None and link.acked < stream_log.floor:
+            # Retention dropped what this cursor had not acked yet: it jumps to the floor, and
+            # its view and the metrics say how much it missed.
+            link.skipped += stream_log.floor - link.acked
+            link.acked = stream_log.floor
+            self.cursor_jumps += 1
 
     def reconcile(self, sub: Subscription) -> None:
         """After loading saved state: links follow what happened to the streams since it was
@@ -174,6 +182,8 @@ class Links:
                 "link_type": "explicit" if link.explicit else "glob",
                 "acked_offset": offsets.encode(link.acked, link.incarnation),
             }
+            if link.skipped:
+                item["skipped_bytes"] = link.skipped  # dropped by retention before it was acked
             if wake is not None:
                 snapped = wake.snapshot.get(path)
                 same = snapped is not None and snapped.stream_id == link.stream_id

@@ -30,6 +30,8 @@ class Link:
     # The stream id (incarnation) whose positions `acked` counts; None while the stream does not
     # exist, so its next incarnation starts from its beginning.
     stream_id: str | None = None
+    # Bytes the cursor skipped because retention dropped them before they were acked.
+    skipped: int = 0
 
     @property
     def incarnation(self) -> int:
@@ -149,7 +151,7 @@ class Subscription:
             "base_url": self.base_url,
             "owner": None if self.owner is None else self.owner.to_json(),
             "links": {
-                path: [link.acked, link.explicit, link.glob, link.stream_id]
+                path: [link.acked, link.explicit, link.glob, link.stream_id, link.skipped]
                 for path, link in self.links.items()
             },
             "generation": self.generation,
@@ -185,5 +187,5 @@ class Subscription:
 def _link(value: list) -> Link:
     if len(value) == 3:  # [acked, explicit, glob]: written before links knew their incarnation
         return Link(*value, stream_id=UNKNOWN_STREAM_ID)
-    acked, explicit, glob, stream_id = value
-    return Link(acked, explicit, glob, stream_id)
+    acked, explicit, glob, stream_id, *rest = value
+    return Link(acked, explicit, glob, stream_id, rest[0] if rest else 0)

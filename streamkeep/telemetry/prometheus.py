@@ -36,6 +36,7 @@ class Sources:
     archiver: Any = None
     subscriptions: Any = None
     gate: Any = None
+    retention: Any = None
 
 
 def _histogram(name: str, documentation: str, labels: list[str]) -> HistogramMetricFamily:
@@ -58,6 +59,7 @@ class StreamkeepCollector:
         yield from self._streams()
         yield from self._storage()
         yield from self._cold()
+        yield from self._retention()
         yield from self._subscriptions()
         yield from self._auth()
         yield from self._background()
@@ -195,6 +197,20 @@ class StreamkeepCollector:
             value=len(archiver.stats()["streams_backing_off"]),
         )
 
+    def _retention(self) -> Iterator[Metric]:
+        retention = self.sources.retention
+        if retention is None:
+            return
+        yield CounterMetricFamily(
+            PREFIX + "retention_floor_moves", "Times retention moved a stream's floor", value=retention.floors_raised
+        )
+        yield CounterMetricFamily(
+            PREFIX + "retention_dropped_segments", "Segments retention deleted", value=retention.segments_dropped
+        )
+        yield CounterMetricFamily(
+            PREFIX + "retention_dropped_bytes", "Stream bytes retention deleted", value=retention.bytes_dropped
+        )
+
     def _subscriptions(self) -> Iterator[Metric]:
         manager = self.sources.subscriptions
         if manager is None:
@@ -208,6 +224,11 @@ class StreamkeepCollector:
         for outcome in ("delivered", "failed", "retried", "announced"):
             deliveries.add_metric([outcome], manager.delivery.counts.get(outcome, 0))
         yield deliveries
+        yield CounterMetricFamily(
+            PREFIX + "subscription_cursor_jumps",
+            "Times a subscription's cursor fell below its stream's retention floor and jumped to it",
+            value=manager.links.cursor_jumps,
+        )
         yield CounterMetricFamily(
             PREFIX + "subscription_save_failures",
             "Subscription state saves that failed (answered 507/503)",
@@ -241,7 +262,7 @@ class StreamkeepCollector:
         )
         failing = GaugeMetricFamily(PREFIX + "background_failing", "1 while a kind of work is failing", labels=["kind"])
         healths = [service.health]
-        for part in (self.sources.storage, self.sources.archiver):
+        for part in (self.sources.storage, self.sources.archiver, self.sources.retention):
             health = getattr(part, "health", None)
             if health is not None and health not in healths:
                 healths.append(health)

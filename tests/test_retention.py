@@ -1,0 +1,224 @@
+"""Retention on the simulated disk (ops/torture/simfs.py), in process: floors, 410 below them,
+what survives the drop (producers, the closed flag) across power cuts, forks pinning their
+source, and a drop interrupted by a crash."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from ops.serverproc import start
+from streamkeep.protocol import offsets
+from streamkeep.segments import layout
+from streamkeep.storage.disk import DiskStorage
+from streamkeep.storage.retention import Retention, RetentionRule
+from tests.test_sim_storage import ROOT, T, call, new_fs, server
+
+SMALL = {"segment_max_messages": 2}
+
+
+def segment_names(fs: Any, name: str) -> list[str]:
+    directory = ROOT / layout.STREAMS / layout.stream_dirname(name)
+    return sorted(n for n in fs.listdir(directory) if n.endswith(layout.SEGMENT_SUFFIX))
+
+
+async def append_all(service: Any, name: str, count: int, headers: list | None = None) -> None:
+    for n in range(count):
+        answer = await call(service, "POST", name, f"m{n:03d};".encode(), headers or T)
+        assert answer.status in (200, 204), answer.body
+
+
+def retention(storage: DiskStorage, clock: list[float] | None = None, **rule: Any) -> Retention:
+    now = clock or [1e12]
+    return Retention(storage, [RetentionRule("**", **rule)], clock=lambda: now[0])
+
+
+async def test_size_retention_moves_the_floor_and_answers_410_below_it() -> None:
+    fs = new_fs()
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        await append_all(service, "s", 20)  # 5 bytes each, two per segment
+        before = segment_names(fs, "s")
+        await retention(storage, max_bytes=30).pass_once()
+        stream_log = storage.open("s")
+        assert stream_log is not None and stream_log.floor > 0
+        kept = segment_names(fs, "s")
+        assert len(kept) < len(before) and kept[0] == layout.segment_filename(stream_log.floor)
+        assert 30 <= stream_log.tail - stream_log.floor <= 30 + 10  # at least the limit, one segment more
+        head = await call(service, "HEAD", "s")
+        earliest = head.header("Stream-Earliest-Offset")
+        assert earliest == offsets.encode(stream_log.floor, stream_log.meta.incarnation)
+        everything = await call(service, "GET", "s", query="offset=-1")
+        assert everything.status == 200 and everything.body.startswith(f"m{stream_log.floor // 5:03d};".encode())
+        gone = await call(service, "GET", "s", query=f"offset={offsets.encode(0, stream_log.meta.incarnation)}")
+        assert gone.status == 410 and gone.header("Stream-Earliest-Offset") == earliest
+        assert json.loads(gone.body)["error"]["code"] == "offset_before_floor"
+        from_floor = await call(service, "GET", "s", query=f"offset={earliest}")
+        assert from_floor.body == everything.body
+        # A fork below the floor is refused the same way.
+        fork = [*T, ("Stream-Forked-From", "/v1/stream/s"), ("Stream-Fork-Offset", offsets.encode(0, 0))]
+        assert (await call(service, "PUT", "f", b"", fork)).status == 410
+        # The byte budget no longer counts what was dropped.
+        assert storage.budget.total_bytes == stream_log.tail - stream_log.held_from
+
+
+async def test_producer_state_and_close_survive_their_records_and_a_power_cut() -> None:
+    fs = new_fs()
+    clock = [1e12]
+    producer = [*T, ("Producer-Id", "p"), ("Producer-Epoch", "2")]
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        for seq in range(6):
+            answer = await call(service, "POST", "s", f"p{seq};".encode(), [*producer, ("Producer-Seq", str(seq))])
+            assert answer.status in (200, 204)
+        closing = [*producer, ("Producer-Seq", "6"), ("Stream-Closed", "true")]
+        assert (await call(service, "POST", "s", b"end;", closing)).status in (200, 204)
+        stream_log = storage.open("s")
+        assert stream_log is not None
+        assert await stream_log.seal_idle()  # the close's segment sealed, an empty one after it
+        tail = stream_log.tail
+        clock[0] = 2e12  # far in the future: every sealed segment is old enough to go
+        await retention(storage, clock, max_age=60.0).pass_once()
+        assert stream_log.floor == tail  # nothing left before the (empty) active segment
+    fs.crash()  # a power cut: what was synced survives
+    async with server(fs, **SMALL) as (service, storage):
+        stream_log = storage.open("s")
+        assert stream_log is not None and stream_log.floor == tail and stream_log.tail == tail
+        head = await call(service, "HEAD", "s")
+        assert head.header("Stream-Closed") == "true"
+        # The close's retry is recognised as its retry, an older seq is a duplicate, and the
+        # stream takes nothing new: all from the checkpoint, the records being gone.
+        retry = await call(service, "POST", "s", b"end;", closing)
+        assert retry.status in (200, 204) and retry.header("Stream-Closed") == "true"
+        assert (await call(service, "POST", "s", b"x;", [*producer, ("Producer-Seq", "7")])).status == 409
+        assert (await call(service, "HEAD", "s")).header("Stream-Next-Offset") == head.header("Stream-Next-Offset")
+        assert (await call(service, "GET", "s", query="offset=-1")).body == b""
+
+
+async def test_a_producer_retry_stays_a_duplicate_after_retention_and_restart() -> None:
+    fs = new_fs()
+    clock = [1e12]
+    producer = [*T, ("Producer-Id", "p"), ("Producer-Epoch", "1")]
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        for seq in range(4):
+            await call(service, "POST", "s", f"p{seq};".encode(), [*producer, ("Producer-Seq", str(seq))])
+        clock[0] = 2e12
+        await append_all(service, "s", 3)  # another writer, after p: p's records are all sealed
+        rule = retention(storage, clock, max_age=60.0)
+        storage.open("s").segments[-2].last_ms = None  # type: ignore[union-attr]  # keep the newest sealed one
+        await rule.pass_once()
+        floor = storage.open("s").floor  # type: ignore[union-attr]
+        assert floor >= 4 * 3
+    fs.crash()
+    async with server(fs, **SMALL) as (service, storage):
+        tail = storage.open("s").tail  # type: ignore[union-attr]
+        duplicate = await call(service, "POST", "s", b"p3;", [*producer, ("Producer-Seq", "3")])
+        assert duplicate.status in (200, 204)
+        assert storage.open("s").tail == tail  # type: ignore[union-attr]  # not written twice
+        assert (await call(service, "POST", "s", b"p4;", [*producer, ("Producer-Seq", "4")])).status in (200, 204)
+
+
+async def test_a_fork_pins_its_source_until_it_is_deleted() -> None:
+    fs = new_fs()
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "src", b"", T)).status == 201
+        await append_all(service, "src", 10)
+        fork_at = offsets.encode(30, storage.open("src").meta.incarnation)  # type: ignore[union-attr]
+        fork = [*T, ("Stream-Forked-From", "/v1/stream/src"), ("Stream-Fork-Offset", fork_at)]
+        assert (await call(service, "PUT", "fork", b"", fork)).status == 201
+        await append_all(service, "src", 10)
+        source = storage.open("src")
+        assert source is not None
+        rule = retention(storage, max_bytes=10)
+        await rule.pass_once()
+        assert source.floor > 30  # readers of the source see only what is kept...
+        assert source.held_from == 0  # ...but what the fork reads through it stays
+        inherited = await call(service, "GET", "fork", query="offset=-1")
+        assert inherited.body == b"".join(f"m{n:03d};".encode() for n in range(6))
+        assert (await call(service, "DELETE", "fork")).status == 204
+        await rule.pass_once()
+        assert source.held_from == source.floor  # the pin went with the fork
+        assert segment_names(fs, "src")[0] == layout.segment_filename(source.floor)
+
+
+async def test_a_drop_interrupted_by_a_crash_leaves_a_readable_stream() -> None:
+    fs = new_fs()
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        await append_all(service, "s", 20)
+        expected = (await call(service, "GET", "s", query="offset=-1")).body
+        removed: list[str] = []
+        original = fs.unlink
+
+        def unlink_then_crash(path: Any) -> None:
+            if str(path).endswith(layout.SEGMENT_SUFFIX) and removed:
+                raise OSError(5, "power lost mid-drop")
+            removed.append(str(path))
+            original(path)
+
+        fs.unlink = unlink_then_crash  # type: ignore[method-assign]
+        rule = retention(storage, max_bytes=30)
+        await rule.pass_once()  # the floor moved; the drop failed after one file
+        floor = storage.open("s").floor  # type: ignore[union-attr]
+        assert floor > 0 and rule.health.failures
+        fs.unlink = original  # type: ignore[method-assign]
+    fs.crash()
+    async with server(fs, **SMALL) as (service, storage):
+        stream_log = storage.open("s")
+        assert stream_log is not None and stream_log.floor == floor
+        answer = await call(service, "GET", "s", query="offset=-1")
+        assert answer.status == 200 and expected.endswith(answer.body) and answer.body.startswith(b"m")
+        await retention(storage, max_bytes=30).pass_once()  # the next pass finishes the drop
+        assert segment_names(fs, "s")[0] == layout.segment_filename(stream_log.floor)
+
+
+async def test_bounded_work_per_pass() -> None:
+    fs = new_fs()
+    async with server(fs, segment_max_messages=1) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        await append_all(service, "s", 30)
+        rule = Retention(storage, [RetentionRule("**", max_bytes=5)], max_segments_per_pass=4)
+        await rule.pass_once()
+        assert rule.segments_dropped <= 4
+        for _ in range(10):
+            await rule.pass_once()
+            await trio.lowlevel.checkpoint()
+        assert storage.open("s").tail - storage.open("s").floor <= 10  # type: ignore[union-attr]
+
+
+
+
+def test_a_subscription_cursor_below_the_floor_jumps_to_it(tmp_path: Path) -> None:
+    server = start(
+        "--storage", "disk", "--data-dir", str(tmp_path), "--segment-max-messages", "2",
+        "--retention-max-bytes", "20", "--retention-interval", "0.2",
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            for stream in ("jobs/a", "wake/a"):
+                assert client.put(f"/v1/stream/{stream}", headers=dict(T)).status_code == 201
+            body = {"type": "pull-wake", "pattern": "jobs/*", "wake_stream": "wake/a"}
+            assert client.put("/v1/stream/__ds/subscriptions/s", json=body).status_code == 201
+            for n in range(20):
+                assert client.post("/v1/stream/jobs/a", content=b"%04d;" % n, headers=dict(T)).status_code == 204
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                view = client.get("/v1/stream/__ds/subscriptions/s").json()
+                link = next(item for item in view["streams"] if item["path"] == "jobs/a")
+                if link.get("skipped_bytes"):
+                    break
+                time.sleep(0.2)
+            earliest = client.head("/v1/stream/jobs/a").headers["stream-earliest-offset"]
+            assert link["acked_offset"] == earliest and link["skipped_bytes"] == int(earliest.rsplit("_", 1)[1])
+            metrics = client.get("/metrics").text
+            jumps = next(line for line in metrics.splitlines() if line.startswith("streamkeep_subscription_cursor_jumps_total"))
+            assert float(jumps.split()[-1]) >= 1
+            assert "streamkeep_retention_dropped_segments_total" in metrics
+    finally:
+        server.stop()
