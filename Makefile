@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
-	bench bench-quick bench-load bench-auth bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean \
+	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean \
 	torture
 
 venv: $(VENV_STAMP)
@@ -81,7 +81,11 @@ $(BENCH_STAMP): ops/bench/package.json ops/bench/package-lock.json
 h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
 
-bench: bench-load bench-auth bench-recovery bench-cold bench-spark
+bench: bench-load bench-auth bench-compaction bench-recovery bench-cold bench-spark
+
+## Compaction of a 1 GiB State Protocol stream (100k keys): time, peak memory, other streams' latency.
+bench-compaction: $(VENV_STAMP)
+	$(PY) -m ops.bench_compaction
 
 ## What auth (HS256, ES256 via JWKS), metrics and the access log cost an append, in one run.
 bench-auth: $(VENV_STAMP) h2load

@@ -690,19 +690,30 @@ def _retention_rules(tables: list[Any], path: Path) -> list[dict[str, Any]]:
         where = f"{path}: [[retention]] number {number}"
         if not isinstance(table, dict):
             raise ConfigError(f"{where} must be a table")
-        unknown = set(table) - {"streams", "max_age", "max_bytes"}
+        known = {"streams", "max_age", "max_bytes", "compact", "compact_ratio", "compact_min_bytes"}
+        unknown = set(table) - known
         if unknown:
-            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (streams, max_age, max_bytes)")
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} ({', '.join(sorted(known))})")
+        compact = table.get("compact")
+        if compact not in (None, "state"):
+            raise ConfigError(f'{where}: compact = "state" (State Protocol streams) is the one kind there is')
         streams = table.get("streams")
         if not isinstance(streams, str) or not streams:
             raise ConfigError(f'{where} needs streams = "GLOB" (e.g. "logs/**")')
         try:
             max_age = duration(table["max_age"]) if "max_age" in table else 0.0
             max_bytes = byte_size(table["max_bytes"]) if "max_bytes" in table else 0
+            ratio = float(table.get("compact_ratio", 4.0))
+            min_bytes = byte_size(table.get("compact_min_bytes", 1 << 20))
         except (ValueError, TypeError) as error:
             raise ConfigError(f"{where}: {error}") from None
+        if not ratio >= 1:
+            raise ConfigError(f"{where}: compact_ratio must be at least 1 (history at least the snapshot's size)")
         # A rule with neither limit keeps its streams whole: a way to exempt them from later rules.
-        rules.append({"streams": streams, "max_age": max_age or None, "max_bytes": max_bytes or None})
+        rule: dict[str, Any] = {"streams": streams, "max_age": max_age or None, "max_bytes": max_bytes or None}
+        if compact is not None:
+            rule.update(compact=compact, compact_ratio=ratio, compact_min_bytes=min_bytes)
+        rules.append(rule)
     return rules
 
 

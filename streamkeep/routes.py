@@ -34,11 +34,13 @@ HEALTH = "health"
 READY = "ready"
 METRICS = "metrics"
 STATS = "stats"
+COMPACT = "compact"  # POST /v1/compact/<name>: compaction of a State Protocol stream (admin)
+COMPACT_PREFIX = "/v1/compact/"
 OTHER = "other"
 
 # The permission each stream operation needs on its stream (a fork also needs read on its source).
 NEEDS = {CREATE: "write", FORK: "write", APPEND: "append", CLOSE: "write", READ: "read", LIVE_READ: "read",
-         HEAD: "read", DELETE: "write"}
+         HEAD: "read", DELETE: "write", COMPACT: "admin"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,8 @@ def classify(request: Request) -> Route:
         if live and live[0] in ("long-poll", "sse"):
             return Route(LIVE_READ, name, live=live[0])
         return Route(READ, name)
+    if path.startswith(COMPACT_PREFIX) and method == "POST":
+        return Route(COMPACT, parse_stream_name(STREAM_PREFIX + path[len(COMPACT_PREFIX) :]))
     if method in ("GET", "HEAD"):
         if path == "/healthz":
             return Route(HEALTH)

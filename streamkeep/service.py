@@ -21,6 +21,7 @@ from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth.errors import AuthError
 from streamkeep.auth.gate import Gate, auth_response
 from streamkeep.auth.tokens import Principal
+from streamkeep.compaction import Compactor
 from streamkeep.health import Health
 from streamkeep.live import Batch, LiveStream, ReadView
 from streamkeep.protocol import offsets, responses, sse
@@ -79,6 +80,7 @@ class Service:
         # The Prometheus exposition served at /metrics (None: 404, metrics off or on their own port).
         self.metrics_page: Callable[[], bytes] | None = None
         self.live_readers: Counter[str] = Counter()  # live readers now, by mode
+        self.compactor: Compactor | None = None  # disk storage only
         self.appends = 0  # acknowledged appends (a producer's duplicate counts: it was answered)
         self.appended_bytes = 0
         self.subscriptions: SubscriptionManager | None = None
@@ -215,6 +217,8 @@ class Service:
             if kind == routes.DELETE:
                 await self.supervisor.call(name, "delete")
                 return Response(204)
+            if kind == routes.COMPACT:
+                return self._compact(name, request)
         if kind == routes.PREFLIGHT:
             return responses.preflight()
         if kind == routes.HEALTH:
@@ -236,6 +240,14 @@ class Service:
                 raise ProtocolError(404, "reserved_path", "paths under /v1/stream/__ds/ are reserved")
             return await self.subscriptions.handle(request)
         raise ProtocolError(404, "not_found", f"no such endpoint; streams live under {STREAM_PREFIX}<name>")
+
+    def _compact(self, name: str, request: Request) -> Response:
+        if self.compactor is None:
+            raise ProtocolError(409, "compaction_needs_disk", "compaction needs disk storage (--storage disk)")
+        drop = request.query("drop_invalid")
+        progress = self.compactor.start(name, drop_invalid=bool(drop) and drop[0] in ("1", "true"))
+        headers = [("Content-Type", "application/x-ndjson"), ("Cache-Control", "no-store")]
+        return Response(200, headers, stream=self.compactor.lines(progress))
 
     async def _ready(self) -> Response:
         reason = self.not_ready

@@ -22,6 +22,7 @@ from streamkeep.protocol import offsets
 from streamkeep.protocol import stream as rules
 from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
 from streamkeep.protocol.headers import media_type
+from streamkeep.protocol.state_fold import NotStateMessage, StateFold
 from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSpec, StreamMeta
 from streamkeep.storage import forks
 from streamkeep.storage.base import AppendRecord, Commit, Storage, StreamLog
@@ -408,6 +409,38 @@ class StreamActor:
         commit = stream_log.submit(record)
         return PendingAppend(commit, outcome, stream_log.meta.incarnation, self.name)
 
+    async def compact(self, fold: StateFold, position: int, chunk: int) -> tuple[Commit, int]:
+        """The last step of a compaction, in the actor so no append slips in: folds what came
+        after `position` (what the background fold read up to), then appends the snapshot as one
+        record starting a new segment. Returns its commit and where it starts."""
+        stream_log = await self._existing(time.time())
+        check_compactable(stream_log)
+        fresh_segment = getattr(stream_log, "fresh_segment", None)
+        if fresh_segment is None:
+            raise ProtocolError(409, "compaction_needs_disk", "compaction needs disk storage (--storage disk)")
+        await stream_log.drain()  # appends accepted before this message land first
+        if stream_log.published_closed:
+            raise ProtocolError(409, "stream_closed", f"stream {self.name!r} is closed: nothing to compact for")
+        tail = stream_log.published_tail
+        while position < tail:
+            result = await forks.read_range(
+                self._storage, stream_log, position, chunk, whole_messages=True, limit=tail
+            )
+            try:
+                for message in result.messages:
+                    fold.apply(message)
+                    position += len(message)
+            except NotStateMessage as error:
+                raise not_state_message(error, offsets.encode(position, stream_log.meta.incarnation)) from None
+            position = result.next_position
+        start = await fresh_segment()
+        # Encoding 100,000 values takes a while: in a worker thread, so other streams' requests
+        # get the event loop back every few milliseconds (the GIL's switch interval).
+        messages = await trio.to_thread.run_sync(fold.snapshot, offsets.encode(start, stream_log.meta.incarnation))
+        meta = rules.copy_meta(stream_log.meta)
+        commit = stream_log.submit(AppendRecord(messages, meta, None, False, None))
+        return commit, start
+
     def _check_incarnation(self, stream_log: StreamLog, incarnation: int) -> None:
         """An offset token must be this stream's, or its fork sources' (a fork shares their
         positions), or carry no incarnation at all; else it belongs to a deleted predecessor."""
@@ -453,6 +486,22 @@ class StreamActor:
 
     async def delete(self) -> None:
         await self._remove(await self._existing(time.time()))
+
+
+def not_state_message(error: NotStateMessage, offset: str) -> ProtocolError:
+    return ProtocolError(422, "not_state_message", f"the message at offset {offset} {error}")
+
+
+def check_compactable(stream_log: StreamLog) -> None:
+    """A State Protocol stream is JSON; a closed one takes no snapshot (it takes no appends)."""
+    if not stream_log.meta.json_mode:
+        raise ProtocolError(
+            409,
+            "not_a_state_stream",
+            f"only JSON streams of State Protocol messages are compacted; this one is {stream_log.meta.content_type!r}",
+        )
+    if stream_log.meta.closed:
+        raise ProtocolError(409, "stream_closed", "a closed stream takes no snapshot: nothing to compact for")
 
 
 class LiveReaderMark:

@@ -19,6 +19,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth import setup as auth_setup
 from streamkeep.background import supervised
+from streamkeep.compaction import Compactor
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
 from streamkeep.http.budget import BodyBudget
@@ -261,6 +262,9 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             service.stats_sources["storage"] = storage.stats
         if archiver is not None:
             service.stats_sources["cold"] = archiver.stats
+        if isinstance(storage, DiskStorage):
+            service.compactor = Compactor(service.supervisor, nursery)
+            service.stats_sources["compaction"] = service.compactor.stats
         if isinstance(storage, DiskStorage) and settings.retention.rules:
             supervisor = service.supervisor
             retention = Retention(
@@ -268,6 +272,7 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
                 [RetentionRule(**rule) for rule in settings.retention.rules],
                 interval=settings.retention.interval,
                 notify=lambda name: [listener(name) for listener in list(supervisor.listeners)],
+                compact=service.compactor.start_due,
             )
             sources.retention = retention
             service.stats_sources["retention"] = retention.stats

@@ -32,6 +32,9 @@ class FloorCheckpoint:
     last_stream_seq: str | None = None
     closed: bool = False
     closed_by: ProducerMark | None = None
+    # Where the snapshot that starts at the floor ends, when a compaction put the floor there:
+    # its size decides when the next compaction is due (retention.py).
+    snapshot_end: int | None = None
 
     def encode(self) -> bytes:
         return cbor2.dumps(
@@ -44,6 +47,7 @@ class FloorCheckpoint:
                 "closed_by": None
                 if self.closed_by is None
                 else [self.closed_by.producer_id, self.closed_by.epoch, self.closed_by.seq],
+                "snap": self.snapshot_end,
             }
         )
 
@@ -59,6 +63,7 @@ class FloorCheckpoint:
             last_stream_seq=raw.get("seq"),
             closed=bool(raw.get("closed")),
             closed_by=None if closed_by is None else ProducerMark(*closed_by),
+            snapshot_end=raw.get("snap"),
         )
 
 

@@ -91,6 +91,7 @@ class DiskLog:
         # Retention (retention.py): readers see nothing before `floor` (410); the files before it
         # may stay a while for forks that pin them (`segments[0].start` is what is still held).
         self.floor = 0  # a fork shows its source from 0
+        self.snapshot_end: int | None = None  # the end of the compaction snapshot at the floor
 
     # ---- state views --------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class DiskLog:
     def adopt_floor(self, checkpoint: FloorCheckpoint) -> None:
         """At recovery, before the records still there are indexed: what the dropped ones decided."""
         self.floor = max(self.floor, checkpoint.floor)
+        self.snapshot_end = checkpoint.snapshot_end
         self._durable_producers.update(checkpoint.producers)
         self._durable_meta.last_stream_seq = checkpoint.last_stream_seq
         if checkpoint.closed:
@@ -168,11 +170,16 @@ class DiskLog:
             self._durable_meta.closed_by = checkpoint.closed_by
         self._pub_tail = max(self._pub_tail, checkpoint.floor)
 
-    def checkpoint_at(self, floor: int) -> FloorCheckpoint:
+    def checkpoint_at(self, floor: int, snapshot_end: int | None = None) -> FloorCheckpoint:
         """The durable state now, as a floor checkpoint at `floor`."""
         meta = self._durable_meta
         return FloorCheckpoint(
-            floor, dict(self._durable_producers), meta.last_stream_seq, self._pub_closed, meta.closed_by
+            floor,
+            dict(self._durable_producers),
+            meta.last_stream_seq,
+            self._pub_closed,
+            meta.closed_by,
+            snapshot_end,
         )
 
     @property
@@ -356,17 +363,32 @@ class DiskLog:
             # same name: there is nothing to archive in it anyway.
             if self._queue or self.deleted or not active.appends or self._pub_tail == active.start:
                 return False
-            start = self._pub_tail
-            segment = Segment(start, self.directory / layout.segment_filename(start), 0)
-            header = fmt.encode_segment_header(
-                self.meta.name, start, self.meta.content_type, self.meta.stream_id
-            )
-            await self._storage.run_io(self.writer.start_segment, active, segment, header)
-            segment.size = len(header)
-            self.segments.append(segment)
+            await self._start_segment(active)
         if self._storage.cold is not None:
             self._storage.cold.sealed()
         return True
+
+    async def fresh_segment(self) -> int:
+        """Makes the next append start a segment (a compaction snapshot, so the floor can move to
+        it); returns where. Call with nothing queued (after `drain`, from the actor)."""
+        async with self.exclusive():
+            active = self.active_segment
+            if self._pub_tail == active.start:
+                return active.start  # nothing in it yet: it is fresh already
+            if self._queue or self.deleted:
+                raise StorageUnavailable(f"{self.meta.name!r} changed while a compaction ran; retry", status=503)
+            await self._start_segment(active)
+        if self._storage.cold is not None:
+            self._storage.cold.sealed()
+        return self._pub_tail
+
+    async def _start_segment(self, active: Segment) -> None:
+        start = self._pub_tail
+        segment = Segment(start, self.directory / layout.segment_filename(start), 0)
+        header = fmt.encode_segment_header(self.meta.name, start, self.meta.content_type, self.meta.stream_id)
+        await self._storage.run_io(self.writer.start_segment, active, segment, header)
+        segment.size = len(header)
+        self.segments.append(segment)
 
     async def make_durable(self) -> None:
         if self._storage.fsync != "always" and self.dirty:
@@ -419,18 +441,22 @@ class DiskLog:
 
     # ---- retention (retention.py decides; this does it, crash-safely) ----------------
 
-    async def raise_floor(self, new_floor: int) -> bool:
+    async def raise_floor(self, new_floor: int, snapshot_end: int | None = None) -> bool:
         """Moves the floor readers see up to `new_floor` (a segment start), the checkpoint made
-        durable before anything below it goes. False if there was nothing to move."""
+        durable before anything below it goes. False if there was nothing to move. A compaction
+        passes where its snapshot (starting at `new_floor`) ends."""
         async with self.exclusive():
             if self.deleted or new_floor <= self.floor:
                 return False
-            checkpoint = self.checkpoint_at(new_floor)
+            if snapshot_end is None and self.snapshot_end is not None and self.snapshot_end > new_floor:
+                snapshot_end = self.snapshot_end  # retention below a snapshot keeps it in view
+            checkpoint = self.checkpoint_at(new_floor, snapshot_end)
             try:
                 await self._storage.run_io(floors.save, self._storage.fs, self.directory, checkpoint)
             except OSError as error:
                 raise from_os_error(error, f"retention checkpoint of {self.meta.name!r}") from None
             self.floor = new_floor
+            self.snapshot_end = snapshot_end
             return True
 
     async def drop_held(self, limit: int) -> tuple[int, list[str]]:

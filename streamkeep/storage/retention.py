@@ -39,9 +39,25 @@ class RetentionRule:
     streams: str  # a glob over stream names (`*` one segment, `**` any)
     max_age: float | None = None  # seconds since a segment's last append
     max_bytes: int | None = None  # bytes a stream keeps (at least; at most one segment more)
+    # "state": compact State Protocol streams (compaction.py) once the history since the last
+    # snapshot is `compact_ratio` times the snapshot (and at least `compact_min_bytes`).
+    compact: str | None = None
+    compact_ratio: float = 4.0
+    compact_min_bytes: int = 1 << 20
 
     def matches(self, name: str) -> bool:
         return compile_glob(self.streams).match(name)
+
+
+def compaction_due(stream_log: DiskLog, rule: RetentionRule) -> bool:
+    """Whether the history since the last snapshot outgrew it: relative to the state's size, so a
+    snapshot never makes the next one due by itself."""
+    if rule.compact != "state" or not stream_log.meta.json_mode or stream_log.published_closed:
+        return False
+    end = stream_log.snapshot_end
+    snapshot = end - stream_log.floor if end is not None else 0
+    history = stream_log.published_tail - (end if end is not None else stream_log.floor)
+    return history >= max(rule.compact_min_bytes, rule.compact_ratio * snapshot)
 
 
 def rule_for(rules: list[RetentionRule], name: str) -> RetentionRule | None:
@@ -100,6 +116,7 @@ class Retention:
         interval: float = 30.0,
         max_segments_per_pass: int = 1000,
         notify: Callable[[str], None] | None = None,
+        compact: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.storage = storage
@@ -107,6 +124,7 @@ class Retention:
         self.interval = interval
         self.max_segments_per_pass = max_segments_per_pass
         self.notify = notify
+        self.compact = compact  # starts a compaction in the background (compaction.Compactor)
         self.clock = clock
         self.health = Health()
         self.passes = 0
@@ -134,6 +152,8 @@ class Retention:
             name = stream_log.meta.name
             try:
                 rule = rule_for(self.rules, name) if self.rules else None
+                if rule is not None and self.compact is not None and compaction_due(stream_log, rule):
+                    self.compact(name)
                 if rule is not None:
                     floor = planned_floor(stream_log, rule, now_ms, budget)
                     if floor > stream_log.floor and await stream_log.raise_floor(floor):

@@ -1,0 +1,203 @@
+"""Compaction of State Protocol streams: by appending a snapshot, never by rewriting.
+
+Bytes at an offset never change, so a stream of change messages is compacted by *adding* to it:
+
+1. a background task folds the stream (protocol/state_fold.py) from its floor up to the tail it
+   sees when it starts, reading like any reader, outside the actor;
+2. the stream's actor folds the few messages that came meanwhile and appends the snapshot
+   (`snapshot-start`, one `insert` per live type/key, `snapshot-end`) as one record starting a new
+   segment (StreamActor.compact): nothing can be appended between the state it reflects and its
+   position;
+3. once that record is durable, the floor moves to the snapshot's start (DiskLog.raise_floor),
+   and retention deletes what is below it when no fork reads it.
+
+A reader from the floor materializes exactly what a reader from the old beginning does: the old
+messages, then the snapshot's inserts of the same values. Live readers receive the snapshot as
+ordinary messages. One compaction per stream runs at a time; a second request joins it. It runs in
+the server's nursery, so a client that hangs up does not stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import trio
+
+from streamkeep.actors.stream_actor import check_compactable, not_state_message
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.protocol import offsets
+from streamkeep.protocol.errors import ProtocolError, not_found
+from streamkeep.protocol.state_fold import NotStateMessage, StateFold
+from streamkeep.storage import forks
+from streamkeep.storage.errors import STORAGE_ERRORS, as_protocol_error
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 1 << 20
+PROGRESS_EVERY = 1.0
+# The fold runs on the event loop: it yields after this much work, so other streams' appends wait
+# at most about this long behind it (ops/bench_compaction.py measures it).
+SLICE_SECONDS = 0.002
+
+
+@dataclass
+class Progress:
+    name: str
+    phase: str = "folding"  # folding, appending, done, failed
+    folded_bytes: int = 0
+    target_bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    result: dict | None = None
+    automatic: bool = False  # started by a retention rule, not a request
+    error: ProtocolError | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+
+    def line(self) -> dict:
+        if self.error is not None:
+            return {"error": {"code": self.error.code, "message": self.error.message}}
+        if self.result is not None:
+            return {"done": True, **self.result}
+        return {
+            "phase": self.phase,
+            "folded_bytes": self.folded_bytes,
+            "of": self.target_bytes,
+            "seconds": round(time.monotonic() - self.started, 1),
+        }
+
+
+class Compactor:
+    def __init__(self, supervisor: Supervisor, nursery: trio.Nursery) -> None:
+        self.supervisor = supervisor
+        self.storage = supervisor.storage
+        self.nursery = nursery
+        self.running: dict[str, Progress] = {}
+        self._failed_at: dict[str, int] = {}  # tail when an automatic compaction last failed
+        self.compactions = 0
+        self.failures = 0
+        self.dropped_messages = 0
+
+    def start(self, name: str, *, drop_invalid: bool = False) -> Progress:
+        """Starts compacting `name` (or returns the compaction already running); raises
+        ProtocolError at once for a stream that cannot be compacted."""
+        progress = self.running.get(name)
+        if progress is not None:
+            return progress
+        stream_log = self.storage.open(name)
+        if stream_log is None or stream_log.meta.soft_deleted:
+            raise not_found(name)
+        check_compactable(stream_log)
+        if not hasattr(stream_log, "fresh_segment"):
+            raise ProtocolError(409, "compaction_needs_disk", "compaction needs disk storage (--storage disk)")
+        progress = self.running[name] = Progress(name)
+        self.nursery.start_soon(self._run, progress, drop_invalid)
+        return progress
+
+    def start_due(self, name: str) -> None:
+        """For retention's rules: starts a compaction unless one runs, or the last one failed and
+        the stream grew little since (a stream of the wrong shape is not folded every pass)."""
+        stream_log = self.storage.open(name)
+        if stream_log is None or name in self.running:
+            return
+        failed_at = self._failed_at.get(name)
+        if failed_at is not None and stream_log.published_tail < failed_at + (1 << 20):
+            return
+        try:
+            progress = self.start(name)
+        except ProtocolError as error:
+            self._failed_at[name] = stream_log.published_tail
+            log.warning("compaction of %r not started: %s", name, error.message)
+            return
+        progress.automatic = True
+
+    async def _run(self, progress: Progress, drop_invalid: bool) -> None:
+        name = progress.name
+        try:
+            progress.result = await self._compact(progress, drop_invalid)
+            progress.phase = "done"
+            self.compactions += 1
+            log.info("compaction of %r: %s", name, progress.result)
+        except ProtocolError as error:
+            progress.error, progress.phase = error, "failed"
+            self.failures += 1
+            stream_log = self.storage.open(name)
+            if stream_log is not None:
+                self._failed_at[name] = stream_log.published_tail
+            log.warning("compaction of %r failed: %s", name, error.message)
+        except STORAGE_ERRORS as error:
+            progress.error, progress.phase = as_protocol_error(error, name), "failed"
+            self.failures += 1
+            log.warning("compaction of %r failed: %s", name, error)
+        except Exception as error:  # a bug: logged with its traceback; the server goes on
+            progress.error = ProtocolError(500, "internal_error", "the compaction failed; it has been logged")
+            progress.phase = "failed"
+            self.failures += 1
+            log.exception("compaction of %r failed: %r", name, error)
+        finally:
+            if self.running.get(name) is progress:
+                del self.running[name]
+            progress.done.set()
+
+    async def _compact(self, progress: Progress, drop_invalid: bool) -> dict:
+        name = progress.name
+        stream_log = self.storage.open(name)
+        if stream_log is None:
+            raise not_found(name)
+        fold = StateFold(drop_invalid=drop_invalid)
+        floor_before = stream_log.floor
+        position = floor_before
+        target = stream_log.published_tail
+        progress.target_bytes = target - floor_before
+        while position < target:  # the background fold, like any reader
+            result = await forks.read_range(
+                self.storage, stream_log, position, READ_CHUNK, whole_messages=True, limit=target
+            )
+            slice_end = time.perf_counter() + SLICE_SECONDS
+            try:
+                for message in result.messages:
+                    fold.apply(message)
+                    position += len(message)
+                    if time.perf_counter() >= slice_end:
+                        await trio.lowlevel.checkpoint()
+                        slice_end = time.perf_counter() + SLICE_SECONDS
+            except NotStateMessage as error:
+                raise not_state_message(error, offsets.encode(position, stream_log.meta.incarnation)) from None
+            position = result.next_position
+            progress.folded_bytes = position - floor_before
+            await trio.lowlevel.checkpoint()
+        progress.phase = "appending"
+        commit, start = await self.supervisor.call(name, "compact", fold, position, READ_CHUNK)
+        end = await commit.wait()  # durable: only now may readers be sent to it
+        await stream_log.raise_floor(start, snapshot_end=end)
+        self.dropped_messages += fold.dropped
+        incarnation = stream_log.meta.incarnation
+        return {
+            "stream": name,
+            "snapshot_offset": offsets.encode(start, incarnation),
+            "floor_before": offsets.encode(floor_before, incarnation),
+            "keys": len(fold.state),
+            "messages_folded": fold.folded,
+            "messages_dropped": fold.dropped,
+            "history_bytes": start - floor_before,
+            "snapshot_bytes": end - start,
+            "seconds": round(time.monotonic() - progress.started, 3),
+        }
+
+    async def lines(self, progress: Progress) -> AsyncIterator[bytes]:
+        """Progress as NDJSON, a line a second, then the result or the error."""
+        while not progress.done.is_set():
+            yield json.dumps(progress.line()).encode() + b"\n"
+            with trio.move_on_after(PROGRESS_EVERY):
+                await progress.done.wait()
+        yield json.dumps(progress.line()).encode() + b"\n"
+
+    def stats(self) -> dict:
+        return {
+            "running": sorted(self.running),
+            "compactions": self.compactions,
+            "failures": self.failures,
+            "dropped_messages": self.dropped_messages,
+        }
