@@ -1,5 +1,12 @@
 """`streamkeep archive status|verify`: what of each stream is local and what is cold, checked
-against the bucket, without a running server (and safe beside one)."""
+against the bucket, without a running server (and safe beside one).
+
+Retention (storage/retention.py) moves a stream's floor; what ends at or before it is retained
+away. `status` counts only retained segments and shows the floor; segments still there below it
+(pinned by a fork, or a drop under way) are counted apart. A drop takes a segment out of the
+manifest before anything else, so `verify` never checks a dropped segment's object: an object left
+in the bucket is in no manifest, an orphan, and one below its stream's floor whose local file is
+gone too is reported as an orphan at once, whatever its age (nothing can record it any more)."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from types import SimpleNamespace
 
 from streamkeep.segments import layout
 from streamkeep.storage import files, manifest
+from streamkeep.storage import floor as floors
 from streamkeep.storage.coldstore import ColdConfig, S3Store
 from streamkeep.storage.directory import DataDirectory
 from streamkeep.storage.meta import decode_meta
@@ -41,31 +49,59 @@ def _streams(data_dir: Path) -> list[tuple[str, str, Path]]:
     return out
 
 
+def _floor(directory: Path) -> int | None:
+    """The stream's floor, None when retention never moved it (no floor.cbor)."""
+    checkpoint = floors.load(files.OS, directory)
+    return None if checkpoint is None else checkpoint.floor
+
+
 def status(settings: SimpleNamespace) -> int:
     data_dir = Path(settings.storage.data_dir)
     rows = []
     for name, _stream_id, directory in _streams(data_dir):
-        local = sorted(directory.glob("*" + layout.SEGMENT_SUFFIX))
+        local = {p.name: p for p in directory.glob("*" + layout.SEGMENT_SUFFIX)}
         entries = manifest.load_manifest(files.OS, directory)
+        floor = _floor(directory)  # after the listing: whatever a drop took from it is below this
+        names = sorted(set(local) | {entry["file"] for entry in entries})
+        # Retained: the last segment, and every one ending after the floor (the next one's start).
+        retained = {
+            n
+            for i, n in enumerate(names)
+            if i + 1 == len(names) or layout.segment_start(names[i + 1]) > (floor or 0)
+        }
+        kept_local = [p for n, p in local.items() if n in retained]
+        kept_cold = [entry for entry in entries if entry["file"] in retained]
         uploaded = {entry["file"] for entry in entries}
-        pending = [p for p in local[:-1] if p.name not in uploaded]
+        pending = [n for n in retained if n in local and n not in uploaded and n != names[-1]]
         rows.append(
             (
                 name,
-                len(local),
-                sum(p.stat().st_size for p in local),
-                len(entries),
-                sum(e["size"] for e in entries),
+                len(kept_local),
+                sum(p.stat().st_size for p in kept_local),
+                len(kept_cold),
+                sum(e["size"] for e in kept_cold),
                 len(pending),
+                "-" if floor is None else str(floor),
+                len(names) - len(retained),
             )
         )
     print(
-        f"{'stream':40} {'local segs':>10} {'local bytes':>12} {'cold segs':>10} {'cold bytes':>12} {'to upload':>10}"
+        f"{'stream':40} {'local segs':>10} {'local bytes':>12} {'cold segs':>10} {'cold bytes':>12} "
+        f"{'to upload':>10} {'floor':>12} {'below floor':>11}"
     )
-    for name, local_n, local_b, cold_n, cold_b, pending_n in rows:
-        print(f"{name[:40]:40} {local_n:>10} {local_b:>12} {cold_n:>10} {cold_b:>12} {pending_n:>10}")
+    for name, local_n, local_b, cold_n, cold_b, pending_n, floor_text, held in rows:
+        print(
+            f"{name[:40]:40} {local_n:>10} {local_b:>12} {cold_n:>10} {cold_b:>12} {pending_n:>10} "
+            f"{floor_text:>12} {held:>11}"
+        )
+    held_total = sum(r[7] for r in rows)
     print(
         f"{len(rows)} streams; {sum(r[3] for r in rows)} segments cold, {sum(r[5] for r in rows)} waiting for upload"
+        + (
+            f"; {held_total} retained away but still held (a fork reads them, or a drop is under way)"
+            if held_total
+            else ""
+        )
     )
     return 0
 
@@ -90,6 +126,15 @@ def verify(
     store = S3Store(config)
     data_dir = Path(settings.storage.data_dir)
     streams = _streams(data_dir)
+    # Before the manifests: a segment is recorded in its manifest before its local file goes, so a
+    # file missing now and a manifest read after that without it mean the segment was dropped.
+    held = {
+        directory.name: (
+            _floor(directory) or 0,
+            {p.name for p in directory.glob("*" + layout.SEGMENT_SUFFIX)},
+        )
+        for _, _, directory in streams
+    }
     entries = [
         (name, entry)
         for name, _, directory in streams
@@ -113,17 +158,23 @@ def verify(
         else set()
     )
     now = time.time()
-    orphans, kept = [], []
+    orphans, kept, dropped = [], [], 0
     for key, modified in store.list_objects(config.root):
         if key in known:
             continue
         parsed = layout.parse_cold_key(config.root, key)
         claimed = parsed is not None and parsed[0] in live and parsed[1] in (None, live[parsed[0]])
-        if claimed and key not in doomed and now - modified < orphan_min_age:
+        if claimed and parsed is not None and _retained_away(parsed[2], *held[parsed[0]]):
+            dropped += 1  # its segment went with retention: no upload can be recording it
+            orphans.append(key)
+        elif claimed and key not in doomed and now - modified < orphan_min_age:
             kept.append(key)
         else:
             orphans.append(key)
-    print(f"{len(entries)} manifest entries checked, {problems} problems; {len(orphans)} orphaned objects")
+    print(
+        f"{len(entries)} manifest entries checked, {problems} problems; {len(orphans)} orphaned objects"
+        + (f" ({dropped} of segments retention dropped)" if dropped else "")
+    )
     for key in orphans[:20]:
         print(f"  orphan: {key}")
     if kept:
@@ -140,3 +191,13 @@ def verify(
     elif orphans:
         print("run again with --delete-orphans to remove them (objects no manifest refers to)")
     return 1 if problems else 0
+
+
+def _retained_away(segment_file: str, floor: int, local: set[str]) -> bool:
+    """A segment of a live stream that starts below its floor and has no local file: dropped. (One
+    below the floor with its file still there may be pinned by a fork and uploading right now.)"""
+    try:
+        start = layout.segment_start(segment_file)
+    except ValueError:
+        return False
+    return start < floor and segment_file not in local

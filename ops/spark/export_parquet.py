@@ -1,6 +1,9 @@
 """Export the archive to Parquet, partitioned by stream and day of append.
 
 python -m ops.spark.export_parquet DATA_DIR OUT_DIR [--streams 'events/*']
+
+Each stream is exported from its floor on: what retention dropped is left out, even while its
+files are still there (docs/segment-format.md, "Retention").
 """
 
 from __future__ import annotations

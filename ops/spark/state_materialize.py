@@ -7,6 +7,9 @@ delete removes it, a `reset` control message clears the stream's state. Equivale
 parallel): after a stream's last reset, each key's state is its last change, unless that change is
 a delete. Messages that are neither a valid change nor a valid control message are counted as
 rejected and left out. Output columns: stream, type, key, value (JSON text), offset.
+
+A stream that retention shortened is read from its floor, as its readers see it: the state is that
+of the messages kept, which is the whole state when a compaction put the floor at a snapshot.
 """
 
 from __future__ import annotations

@@ -13,11 +13,30 @@ directory's cold segments are read from its bucket (`cold_url` option, plus the 
 Every record's CRC is checked; a damaged sealed segment fails the job naming the file or object.
 S3 access goes through boto3 inside the reader: `s3a://` needs hadoop-aws jars the pyspark wheel
 does not ship.
+
+Retention: a data directory is read from each stream's floor on, as the HTTP API shows it
+(`floor.cbor`, docs/segment-format.md "Retention"). Segments that end at or before the floor are
+skipped, local file or bucket object, even while they are still there (a fork pins them, a drop is
+under way); offsets stay the stream's own positions. A bucket read alone holds no floors: it reads
+every object still there, including those of dropped segments the server has yet to delete.
+
+Structured Streaming (`spark.readStream`, `StreamkeepStreamReader`) takes `max_files` and, as
+Spark's Kafka source does, `failOnDataLoss` (default `true`): when data the query has not read yet
+was retained away (a stream's floor passed the query's position between two micro-batches, or while
+a batch was planned or read), the query fails with an error naming the stream, the lost offsets and
+the option. With `false` it logs a warning and goes on from the floor; a loss found between
+batches is also counted in the query's offset (`lost`: per stream, `times` and `bytes`; visible in
+the query's progress as `endOffset`), one found while a batch is listed or read is only logged.
+Streams present when the query starts are read from their floor then; a stream that appears later
+is expected from position 0 (a fork from its fork point), so one whose beginning was already
+retained away counts as a loss. A batch read applies the same option to a segment retained away
+while the job reads it. Floors are known only for a data directory, not for a bucket read alone.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +46,8 @@ from typing import Any
 from streamkeep.protocol import offsets
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
+
+log = logging.getLogger(__name__)
 
 SCHEMA = (
     "stream string, offset string, message_index long, append_time timestamp, content_type string, "
@@ -52,6 +73,80 @@ class Segment:
     last: bool  # the segment being appended to: a torn tail there is a write in flight
     path: str | None = None  # a local file
     key: str | None = None  # or an object in the bucket
+    directory: str | None = None  # the stream's directory (None: read from a bucket alone)
+    floor: int = 0  # the stream's floor when planned: nothing before it is returned
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """What the streaming source needs of a stream besides its segments."""
+
+    name: str
+    incarnation: int
+    floor: int | None  # the first position readers may see; None: unknown (a bucket read alone)
+    base: int = 0  # a fork's own segments start at its fork point; below it are its source's
+
+
+class DataLossError(RuntimeError):
+    """Data not yet read was retained away (option `failOnDataLoss`, true by default)."""
+
+
+def _option(options: Any, name: str, default: str | None = None) -> str | None:
+    """An option by name, whatever its case (Spark's option maps are case-insensitive)."""
+    wanted = name.lower()
+    return next((value for key, value in options.items() if key.lower() == wanted), default)
+
+
+def fail_on_data_loss(options: Any) -> bool:
+    value = str(_option(options, "failOnDataLoss", "true")).strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f"streamkeep option failOnDataLoss must be true or false, not {value!r}")
+    return value == "true"
+
+
+def data_lost(
+    options: Any,
+    stream: str,
+    incarnation: int,
+    begin: int,
+    end: int,
+    floor: int,
+    when: str,
+    *,
+    exact: bool = True,
+) -> None:
+    """Positions [begin, end) of `stream` are gone (with `exact` false, perhaps only a suffix of
+    them): raises DataLossError under failOnDataLoss, else logs a warning (the caller goes on from
+    the floor)."""
+    what = (
+        f"streamkeep stream {stream!r}: offsets {offsets.encode(begin, incarnation)} up to "
+        f"{offsets.encode(end, incarnation)} ({'' if exact else 'at most '}{end - begin} bytes) "
+        f"{'were' if exact else 'may have been'} retained away {when}; "
+        f"the stream now starts at {offsets.encode(floor, incarnation)}"
+    )
+    if fail_on_data_loss(options):
+        raise DataLossError(
+            f"{what}. Some data {'was' if exact else 'may have been'} lost. To skip it and go on "
+            "from the floor, set the source option failOnDataLoss to false."
+        )
+    log.warning("%s; skipped, going on from there (failOnDataLoss is false)", what)
+
+
+def load_floor(directory: Path) -> int:
+    """A stream directory's floor: 0 without `floor.cbor`."""
+    from streamkeep.storage import files
+    from streamkeep.storage import floor as floors
+
+    try:
+        checkpoint = floors.load(files.OS, directory)
+    except (ValueError, KeyError, TypeError) as error:  # CBORDecodeError is a ValueError
+        raise OSError(f"cannot read {directory / floors.FLOOR_FILE}: {error}") from error
+    return 0 if checkpoint is None else checkpoint.floor
+
+
+def _retained(segment: Segment) -> bool:
+    """False for a segment that ends at or before its stream's floor: readers never see it."""
+    return segment.next_start is None or segment.next_start > segment.floor
 
 
 def _s3(options: dict[str, str]) -> Any:
@@ -77,15 +172,24 @@ def _wanted(name: str, patterns: list[str]) -> bool:
 
 
 def plan_segments(path: str, options: dict[str, str]) -> list[Segment]:
-    """Every segment to read, pruned by stream selection and offset range."""
+    """Every segment to read, pruned by stream selection, offset range and floor."""
+    return _prune(_plan(path, options)[0], options)
+
+
+def _plan(path: str, options: dict[str, str]) -> tuple[list[Segment], dict[str, StreamInfo]]:
+    """Every segment found, retained or not, and the selected streams."""
     patterns = [p.strip() for p in (options.get("streams") or "").split(",") if p.strip()]
     if path.startswith("s3://"):
-        segments = _plan_bucket(path, options, patterns)
-    else:
-        segments = _plan_directory(Path(path), options, patterns)
+        return _plan_bucket(path, options, patterns)
+    return _plan_directory(Path(path), options, patterns)
+
+
+def _prune(segments: list[Segment], options: dict[str, str]) -> list[Segment]:
     low, high = _position(options.get("start_offset")), _position(options.get("end_offset"))
     kept = []
     for segment in segments:
+        if not _retained(segment):  # its file or object may still be there; readers get 410 for it
+            continue
         if high is not None and segment.start >= high:
             continue
         if low is not None and segment.next_start is not None and segment.next_start <= low:
@@ -94,13 +198,16 @@ def plan_segments(path: str, options: dict[str, str]) -> list[Segment]:
     return kept
 
 
-def _plan_directory(root: Path, options: dict[str, str], patterns: list[str]) -> list[Segment]:
+def _plan_directory(
+    root: Path, options: dict[str, str], patterns: list[str]
+) -> tuple[list[Segment], dict[str, StreamInfo]]:
     import cbor2
 
     streams_dir = root / layout.STREAMS
     if not streams_dir.is_dir():
         raise FileNotFoundError(f"{root} is not a streamkeep data directory (no {layout.STREAMS}/)")
     out: list[Segment] = []
+    streams: dict[str, StreamInfo] = {}
     for directory in sorted(streams_dir.iterdir()):
         meta_file = directory / layout.META
         if directory.name.startswith(".") or not meta_file.exists():
@@ -112,27 +219,41 @@ def _plan_directory(root: Path, options: dict[str, str], patterns: list[str]) ->
         if (directory / "cold.cbor").exists():  # keys of either format: the manifest names them
             manifest = {e["file"]: e for e in cbor2.loads((directory / "cold.cbor").read_bytes())["segments"]}
         local = {p.name for p in directory.glob("*" + layout.SEGMENT_SUFFIX)}
+        # The floor after the manifest and the listing: a drop writes floor.cbor before it removes
+        # anything, so a segment a drop took from under this listing ends at or before this floor.
+        floor = load_floor(directory)
+        streams[meta["name"]] = StreamInfo(
+            meta["name"], offsets.incarnation_of(meta["id"]), floor, meta.get("base") or 0
+        )
         names = sorted(local | set(manifest))
         for number, name in enumerate(names):
             start = layout.segment_start(name)
             following = layout.segment_start(names[number + 1]) if number + 1 < len(names) else None
             last = following is None
-            if name in local:
-                out.append(
-                    Segment(meta["name"], meta["ct"], start, following, last, path=str(directory / name))
+            where = {"path": str(directory / name)} if name in local else {"key": manifest[name]["key"]}
+            out.append(
+                Segment(
+                    meta["name"],
+                    meta["ct"],
+                    start,
+                    following,
+                    last,
+                    directory=str(directory),
+                    floor=floor,
+                    **where,
                 )
-            else:
-                out.append(
-                    Segment(meta["name"], meta["ct"], start, following, last, key=manifest[name]["key"])
-                )
-    return out
+            )
+    return out, streams
 
 
-def _plan_bucket(url: str, options: dict[str, str], patterns: list[str]) -> list[Segment]:
+def _plan_bucket(
+    url: str, options: dict[str, str], patterns: list[str]
+) -> tuple[list[Segment], dict[str, StreamInfo]]:
     """Segments straight from a bucket listing, in either key layout: format 2
     (`<stream dir>/<stream id>/<segment>`) and format 1 (`<stream dir>/<segment>`). If a stream
     directory holds objects of several incarnations (a stream deleted and created again, its old
-    objects not yet deleted by the server), only the incarnation written last is read."""
+    objects not yet deleted by the server), only the incarnation written last is read. The bucket
+    holds no floors (they live in the data directory): every object still there is read."""
     from urllib.parse import unquote
 
     bucket, prefix = _bucket_prefix(url)
@@ -147,6 +268,7 @@ def _plan_bucket(url: str, options: dict[str, str], patterns: list[str]) -> list
                 found = incarnations.setdefault(directory, {}).setdefault(stream_id, [])
                 found.append((file, item["LastModified"].timestamp()))
     out: list[Segment] = []
+    streams: dict[str, StreamInfo] = {}
     for directory, by_id in sorted(incarnations.items()):
         stream_id, objects = max(by_id.items(), key=lambda item: max(modified for _, modified in item[1]))
         names = sorted(file for file, _ in objects)
@@ -156,12 +278,13 @@ def _plan_bucket(url: str, options: dict[str, str], patterns: list[str]) -> list
         name = header.get("name") or unquote(directory)
         if not _wanted(name, patterns):
             continue
+        streams[name] = StreamInfo(name, offsets.incarnation_of(header.get("id", "")), None)
         for number, file in enumerate(names):
             following = layout.segment_start(names[number + 1]) if number + 1 < len(names) else None
             out.append(
                 Segment(name, header["ct"], layout.segment_start(file), following, False, key=base + file)
             )
-    return out
+    return out, streams
 
 
 def segment_batch(segment: Segment, data: bytes, low: int | None, high: int | None) -> Any:
@@ -258,17 +381,56 @@ class SegmentPartition(InputPartition):  # type: ignore[misc,valid-type]
         self.segment = segment
 
 
+def _missing(error: Exception) -> bool:
+    """A file or object that is not there (any more)."""
+    if isinstance(error, FileNotFoundError):
+        return True
+    code = (getattr(error, "response", None) or {}).get("Error", {}).get("Code")
+    return code in ("NoSuchKey", "404", "NotFound")
+
+
+def _get_object(path: str, options: dict[str, str], key: str) -> bytes:
+    url = path if path.startswith("s3://") else options.get("cold_url")
+    if not url:
+        raise OSError(f"streamkeep segment {key} is in the bucket: pass the cold_url option")
+    return _s3(options).get_object(Bucket=_bucket_prefix(url)[0], Key=key)["Body"].read()
+
+
+def _segment_bytes(path: str, options: dict[str, str], segment: Segment) -> bytes | None:
+    """A planned segment's bytes; None if retention dropped it since it was planned."""
+    try:
+        if segment.path is not None:
+            return Path(segment.path).read_bytes()
+        return _get_object(path, options, segment.key or "")
+    except Exception as error:
+        if segment.directory is None or not _missing(error):
+            raise
+        directory = Path(segment.directory)
+        if segment.next_start is not None and segment.next_start <= load_floor(directory):
+            return None
+        if segment.path is not None:  # uploaded, its local copy dropped since it was planned
+            from streamkeep.storage import files, manifest
+
+            name = Path(segment.path).name
+            entry = next((e for e in manifest.load_manifest(files.OS, directory) if e["file"] == name), None)
+            if entry is not None:
+                return _get_object(path, options, entry["key"])
+        raise
+
+
 def read_partition(path: str, options: dict[str, str], partition: Any) -> Iterator[Any]:
     """The Arrow batch of one segment (local file or object), CRCs checked."""
     segment = getattr(partition, "segment", None)
     if segment is None:
         return  # nothing was planned: Spark still calls read() once, with a bare InputPartition
-    if segment.path is not None:
-        data = Path(segment.path).read_bytes()
-    else:
-        bucket = _bucket_prefix(path if path.startswith("s3://") else options["cold_url"])[0]
-        data = _s3(options).get_object(Bucket=bucket, Key=segment.key)["Body"].read()
+    data = _segment_bytes(path, options, segment)
+    if data is None:
+        end = segment.next_start if segment.next_start is not None else segment.start
+        data_lost(options, segment.stream, 0, segment.start, end, end, "while this job read them")
+        return
     low, high = _position(options.get("start_offset")), _position(options.get("end_offset"))
+    if segment.floor > segment.start:  # never for a floor at a segment start, as the server puts it
+        low = max(low or 0, segment.floor)
     batch = segment_batch(segment, data, low, high)
     if batch.num_rows:
         yield batch
@@ -278,6 +440,7 @@ class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
     def __init__(self, options: dict[str, str]) -> None:
         self.options = dict(options)
         self.path = self.options.get("path") or ""
+        fail_on_data_loss(self.options)  # a bad value fails now, not at the first loss
 
     def partitions(self) -> list[SegmentPartition]:
         return [SegmentPartition(segment) for segment in plan_segments(self.path, self.options)]
@@ -286,24 +449,78 @@ class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
         return read_partition(self.path, self.options, partition)
 
 
+def _offset(done: dict, read: dict, lost: dict) -> dict:
+    """A streaming offset; maps left out when empty, so offsets written before they existed and
+    new ones compare equal when nothing happened."""
+    offset: dict = {"next": done}
+    if read:
+        offset["read"] = read
+    if lost:
+        offset["lost"] = lost
+    return offset
+
+
 class StreamkeepStreamReader(DataSourceStreamReader):  # type: ignore[misc,valid-type]
     """Structured Streaming over sealed segments: each micro-batch reads the segments sealed since
-    the last one. The offset is, per stream, the first segment start not yet read, a plain JSON map
-    Spark checkpoints, so a restarted query continues where it stopped. Option `max_files` caps
-    segments per micro-batch."""
+    the last one. The offset is a JSON map Spark checkpoints, so a restarted query continues where
+    it stopped: `next`, per stream, where the next segment to read starts at the earliest (one past
+    the start of the last one read); `read`, per stream, the position up to which the query has read
+    or accounted for everything (its floor when the query started, where it went on after a loss);
+    `lost`, per stream, the losses skipped under `failOnDataLoss=false` (`times`, `bytes`). Option
+    `max_files` caps segments per micro-batch.
+
+    Data loss (option `failOnDataLoss`, true by default) is checked when a batch is planned
+    (latestOffset: has a floor passed where the query stands?), when its partitions are listed
+    (did one pass it since?) and when a segment is read (was it dropped meanwhile?)."""
 
     def __init__(self, options: dict[str, str]) -> None:
         self.options = dict(options)
         self.path = self.options.get("path") or ""
+        fail_on_data_loss(self.options)
+        self.low = _position(self.options.get("start_offset"))
+        self.high = _position(self.options.get("end_offset"))
 
-    def _sealed(self) -> list[Segment]:
-        return sorted(
-            (s for s in plan_segments(self.path, self.options) if not s.last),
-            key=lambda s: (s.start, s.stream),
+    def _look(self) -> tuple[list[Segment], list[Segment], dict[str, StreamInfo]]:
+        """(every segment found, the sealed ones readers may see in read order, the streams)."""
+        segments, streams = _plan(self.path, self.options)
+        sealed = sorted(
+            (s for s in _prune(segments, self.options) if not s.last), key=lambda s: (s.start, s.stream)
         )
+        return segments, sealed, streams
+
+    def _floor(self, info: StreamInfo | None) -> int | None:
+        """The floor that matters to this query: data past `end_offset` it never wants."""
+        if info is None or info.floor is None:
+            return None
+        return info.floor if self.high is None else min(info.floor, self.high)
+
+    def _standing(self, info: StreamInfo, start: dict, segments: list[Segment]) -> tuple[int, bool]:
+        """Where the query stands in a stream at offset `start` (everything before it was read, or
+        retained away before the query started, or skipped under failOnDataLoss=false), and whether
+        that is exact: it is at least that for an offset written before `read` existed, whose last
+        segment read is gone."""
+        read, done = start.get("read", {}), start.get("next", {})
+        exact = True
+        if info.name in read:
+            position = read[info.name]
+        elif info.name in done:  # one past the start of the last segment read: where that one ends
+            last = done[info.name] - 1
+            ends = [s.next_start for s in segments if s.stream == info.name and s.start == last]
+            exact = bool(ends) and ends[0] is not None
+            position = ends[0] if exact and ends[0] is not None else done[info.name]
+        else:  # a stream this query has not read: a new one starts at 0, a fork at its fork point
+            position = info.base
+        return max(position, self.low or 0), exact
 
     def initialOffset(self) -> dict:
-        return {"next": {}}
+        """Streams already there are read from their floor now: what went before is not a loss."""
+        _segments, _sealed, streams = self._look()
+        read = {}
+        for info in streams.values():
+            floor = self._floor(info)
+            if floor is not None and floor > max(info.base, self.low or 0):
+                read[info.name] = floor
+        return _offset({}, read, {})
 
     def getDefaultReadLimit(self) -> Any:
         from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxFiles
@@ -314,23 +531,64 @@ class StreamkeepStreamReader(DataSourceStreamReader):  # type: ignore[misc,valid
     def latestOffset(self, start: dict, limit: Any) -> dict:
         from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxFiles
 
-        done = start.get("next", {})
-        fresh = [s for s in self._sealed() if s.start >= done.get(s.stream, 0)]
+        segments, sealed, streams = self._look()
+        done = dict(start.get("next", {}))
+        read = dict(start.get("read", {}))
+        lost = {name: dict(count) for name, count in start.get("lost", {}).items()}
+        for info in streams.values():
+            floor = self._floor(info)
+            position, exact = self._standing(info, start, segments)
+            if floor is not None and floor > position:
+                data_lost(
+                    self.options,
+                    info.name,
+                    info.incarnation,
+                    position,
+                    floor,
+                    floor,
+                    "before this query read them",
+                    exact=exact,
+                )
+                count = lost.setdefault(info.name, {"times": 0, "bytes": 0})
+                count["times"] += 1
+                count["bytes"] += floor - position
+                read[info.name] = floor
+        fresh = [s for s in sealed if s.start >= done.get(s.stream, 0)]
         if isinstance(limit, ReadMaxFiles):
             fresh = fresh[: max(1, limit.max_files)]
         elif not isinstance(limit, ReadAllAvailable):  # a row limit: one segment is the smallest step
             fresh = fresh[:1]
-        following = dict(done)
         for segment in fresh:
-            following[segment.stream] = max(following.get(segment.stream, 0), segment.start + 1)
-        return {"next": following}
+            done[segment.stream] = max(done.get(segment.stream, 0), segment.start + 1)
+            read[segment.stream] = max(read.get(segment.stream, 0), segment.next_start or 0)
+        return _offset(done, read, lost)
 
     def partitions(self, start: dict, end: dict) -> list[SegmentPartition]:
+        segments, sealed, streams = self._look()
         low, high = start.get("next", {}), end.get("next", {})
+        for name in high:
+            info, floor = streams.get(name), self._floor(streams.get(name))
+            if info is None or floor is None or high[name] <= low.get(name, 0):
+                continue
+            # Where this batch begins: where the query stood, or the floor it went on from.
+            skipped = end.get("lost", {}).get(name, {}).get("bytes", 0)
+            skipped -= start.get("lost", {}).get(name, {}).get("bytes", 0)
+            position, exact = self._standing(info, start, segments)
+            begin = position + skipped
+            stop = min(floor, end.get("read", {}).get(name, floor))
+            if stop > begin:  # retention passed it since latestOffset (or a restart replays the batch)
+                data_lost(
+                    self.options,
+                    name,
+                    info.incarnation,
+                    begin,
+                    stop,
+                    floor,
+                    "before this micro-batch read them",
+                    exact=exact,
+                )
         return [
-            SegmentPartition(s)
-            for s in self._sealed()
-            if low.get(s.stream, 0) <= s.start < high.get(s.stream, 0)
+            SegmentPartition(s) for s in sealed if low.get(s.stream, 0) <= s.start < high.get(s.stream, 0)
         ]
 
     def read(self, partition: SegmentPartition) -> Iterator[Any]:
@@ -360,4 +618,12 @@ def register(spark: Any) -> None:
     spark.dataSource.register(StreamkeepDataSource)
 
 
-__all__ = ["SCHEMA", "StreamkeepDataSource", "plan_segments", "register", "segment_batch"]
+__all__ = [
+    "SCHEMA",
+    "DataLossError",
+    "StreamkeepDataSource",
+    "fail_on_data_loss",
+    "plan_segments",
+    "register",
+    "segment_batch",
+]
