@@ -123,23 +123,28 @@ class Compactor:
         except ProtocolError as error:
             progress.error, progress.phase = error, "failed"
             self.failures += 1
-            stream_log = self.storage.open(name)
-            if stream_log is not None:
-                self._failed_at[name] = stream_log.published_tail
+            self._note_failure(name)
             log.warning("compaction of %r failed: %s", name, error.message)
         except STORAGE_ERRORS as error:
             progress.error, progress.phase = as_protocol_error(error, name), "failed"
             self.failures += 1
+            self._note_failure(name)
             log.warning("compaction of %r failed: %s", name, error)
         except Exception as error:  # a bug: logged with its traceback; the server goes on
             progress.error = ProtocolError(500, "internal_error", "the compaction failed; it has been logged")
             progress.phase = "failed"
             self.failures += 1
+            self._note_failure(name)
             log.exception("compaction of %r failed: %r", name, error)
         finally:
             if self.running.get(name) is progress:
                 del self.running[name]
             progress.done.set()
+
+    def _note_failure(self, name: str) -> None:
+        stream_log = self.storage.open(name)
+        if stream_log is not None:
+            self._failed_at[name] = stream_log.published_tail
 
     async def _compact(self, progress: Progress, drop_invalid: bool) -> dict:
         name = progress.name
@@ -147,7 +152,8 @@ class Compactor:
         if stream_log is None:
             raise not_found(name)
         fold = StateFold(drop_invalid=drop_invalid)
-        floor_before = stream_log.floor
+        stream_id = stream_log.meta.stream_id
+        floor_before = forks.readable_from(self.storage, stream_log)
         position = floor_before
         target = stream_log.published_tail
         progress.target_bytes = target - floor_before
@@ -169,7 +175,7 @@ class Compactor:
             progress.folded_bytes = position - floor_before
             await trio.lowlevel.checkpoint()
         progress.phase = "appending"
-        commit, start = await self.supervisor.call(name, "compact", fold, position, READ_CHUNK)
+        commit, start, stream_log = await self.supervisor.call(name, "compact", fold, position, READ_CHUNK, stream_id)
         end = await commit.wait()  # durable: only now may readers be sent to it
         await stream_log.raise_floor(start, snapshot_end=end)
         self.dropped_messages += fold.dropped

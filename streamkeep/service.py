@@ -33,7 +33,7 @@ from streamkeep.protocol.names import STREAM_PREFIX
 from streamkeep.protocol.offsets import Offset
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
 from streamkeep.storage import forks
-from streamkeep.storage.errors import STORAGE_ERRORS, as_protocol_error
+from streamkeep.storage.errors import STORAGE_ERRORS, RetainedAway, as_protocol_error, below_floor
 from streamkeep.subscriptions.manager import SubscriptionManager
 from streamkeep.telemetry.requests import RequestStats
 
@@ -345,6 +345,10 @@ class Service:
                 self.options.read_chunk_bytes,
                 whole_messages=view.meta.json_mode,
             )
+        except RetainedAway:
+            # Dropped under the read (maybe in a fork's source): where this stream can resume.
+            floor = forks.readable_from(self.supervisor.storage, plan.log)
+            raise below_floor(floor, view.meta.incarnation) from None
         except STORAGE_ERRORS as error:
             raise as_protocol_error(error, name) from None
         return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)

@@ -168,7 +168,7 @@ class StreamActor:
     def _view(self, stream_log: StreamLog) -> StreamView:
         meta = rules.copy_meta(stream_log.meta)
         meta.closed = stream_log.published_closed
-        return StreamView(meta, stream_log.published_tail, stream_log.floor)
+        return StreamView(meta, stream_log.published_tail, forks.readable_from(self._storage, stream_log))
 
     async def _existing(self, now: float) -> StreamLog:
         stream_log = self._storage.open(self.name)
@@ -329,8 +329,9 @@ class StreamActor:
             )
         if fork.offset is not None:
             self._check_incarnation(stream_log, fork.offset.incarnation)
-        if position < stream_log.floor:
-            raise below_floor(stream_log.floor, meta.incarnation)
+        floor = forks.readable_from(self._storage, stream_log)
+        if position < floor:
+            raise below_floor(floor, meta.incarnation)
         if meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
             raise bad_request(
                 "invalid_fork_offset", "Stream-Fork-Offset is not at a message boundary of the source"
@@ -409,11 +410,18 @@ class StreamActor:
         commit = stream_log.submit(record)
         return PendingAppend(commit, outcome, stream_log.meta.incarnation, self.name)
 
-    async def compact(self, fold: StateFold, position: int, chunk: int) -> tuple[Commit, int]:
+    async def compact(
+        self, fold: StateFold, position: int, chunk: int, stream_id: str
+    ) -> tuple[Commit, int, StreamLog]:
         """The last step of a compaction, in the actor so no append slips in: folds what came
-        after `position` (what the background fold read up to), then appends the snapshot as one
-        record starting a new segment. Returns its commit and where it starts."""
+        after `position` (what the background fold read up to), then appends the snapshot,
+        starting a new segment, in records of at most `chunk` bytes (so reads of it stay chunked).
+        Returns the last record's commit, where the snapshot starts, and the log."""
         stream_log = await self._existing(time.time())
+        if stream_log.meta.stream_id != stream_id:
+            raise ProtocolError(
+                409, "stream_replaced", f"stream {self.name!r} was deleted and created again during the compaction"
+            )
         check_compactable(stream_log)
         fresh_segment = getattr(stream_log, "fresh_segment", None)
         if fresh_segment is None:
@@ -437,9 +445,10 @@ class StreamActor:
         # Encoding 100,000 values takes a while: in a worker thread, so other streams' requests
         # get the event loop back every few milliseconds (the GIL's switch interval).
         messages = await trio.to_thread.run_sync(fold.snapshot, offsets.encode(start, stream_log.meta.incarnation))
-        meta = rules.copy_meta(stream_log.meta)
-        commit = stream_log.submit(AppendRecord(messages, meta, None, False, None))
-        return commit, start
+        commit = stream_log.latest_commit()
+        for group in _groups(messages, chunk):
+            commit = stream_log.submit(AppendRecord(group, rules.copy_meta(stream_log.meta), None, False, None))
+        return commit, start, stream_log
 
     def _check_incarnation(self, stream_log: StreamLog, incarnation: int) -> None:
         """An offset token must be this stream's, or its fork sources' (a fork shares their
@@ -486,6 +495,19 @@ class StreamActor:
 
     async def delete(self) -> None:
         await self._remove(await self._existing(time.time()))
+
+
+def _groups(messages: list[bytes], limit: int) -> list[list[bytes]]:
+    """`messages` in runs of at most `limit` bytes (a message larger than that alone)."""
+    groups: list[list[bytes]] = [[]]
+    size = 0
+    for message in messages:
+        if groups[-1] and size + len(message) > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(message)
+        size += len(message)
+    return groups
 
 
 def not_state_message(error: NotStateMessage, offset: str) -> ProtocolError:

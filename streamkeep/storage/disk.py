@@ -338,7 +338,8 @@ class DiskStorage:
             stream_log.adopt_floor(loaded.floor)
         for segment, record in loaded.records:
             stream_log.index_record(segment, record, None)
-        stream_log.adopt_durable_state(loaded.last_ms)
+        last_ms = loaded.last_ms if loaded.last_ms is not None else stream_log.last_append_ms
+        stream_log.adopt_durable_state(last_ms)
         if self.fsync == "always":  # what recovery read was synced before it was acknowledged
             stream_log.writer.synced_size = stream_log.active_segment.size
         stream_log.writer.needs_repair = loaded.needs_repair

@@ -35,6 +35,9 @@ class FloorCheckpoint:
     # Where the snapshot that starts at the floor ends, when a compaction put the floor there:
     # its size decides when the next compaction is due (retention.py).
     snapshot_end: int | None = None
+    # The time (ms) of the last append when the checkpoint was written: a sliding TTL counts from
+    # it after a restart if retention left no record to read it from.
+    last_append_ms: int | None = None
 
     def encode(self) -> bytes:
         return cbor2.dumps(
@@ -48,6 +51,7 @@ class FloorCheckpoint:
                 if self.closed_by is None
                 else [self.closed_by.producer_id, self.closed_by.epoch, self.closed_by.seq],
                 "snap": self.snapshot_end,
+                "last_ms": self.last_append_ms,
             }
         )
 
@@ -64,6 +68,7 @@ class FloorCheckpoint:
             closed=bool(raw.get("closed")),
             closed_by=None if closed_by is None else ProducerMark(*closed_by),
             snapshot_end=raw.get("snap"),
+            last_append_ms=raw.get("last_ms"),
         )
 
 

@@ -68,6 +68,30 @@ async def read_range(
     return ReadResult(kept, position)
 
 
+def readable_from(storage: Storage, log: StreamLog) -> int:
+    """The earliest position a reader of `log` can ask for: its own floor, or higher while the
+    range it inherits from its source is not all there (a fork made after the source's retention
+    moved on, or one whose source dropped what no pin held). `offset=-1` starts here; below it, 410."""
+    low = log.floor
+    meta = log.meta
+    if meta.forked_from is not None and low < meta.fork_base:
+        source = storage.open(meta.forked_from)
+        if source is not None:
+            low = max(low, min(held_low(storage, source), meta.fork_base))
+    return low
+
+
+def held_low(storage: Storage, log: StreamLog) -> int:
+    """The earliest position whose bytes `log` can still serve (its own, or its sources')."""
+    own = getattr(log, "held_from", log.meta.fork_base)
+    meta = log.meta
+    if meta.forked_from is not None and own <= meta.fork_base:
+        source = storage.open(meta.forked_from)
+        if source is not None:
+            return min(held_low(storage, source), meta.fork_base)
+    return own
+
+
 def is_boundary(storage: Storage, log: StreamLog, position: int) -> bool:
     meta = log.meta
     if meta.forked_from is not None and position < meta.fork_base:

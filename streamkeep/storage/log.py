@@ -92,6 +92,9 @@ class DiskLog:
         # may stay a while for forks that pin them (`segments[0].start` is what is still held).
         self.floor = 0  # a fork shows its source from 0
         self.snapshot_end: int | None = None  # the end of the compaction snapshot at the floor
+        # The time of the last append whose record retention dropped: a sliding TTL counts from
+        # it when no later record is left.
+        self.last_append_ms: int | None = None
 
     # ---- state views --------------------------------------------------------------------
 
@@ -162,6 +165,7 @@ class DiskLog:
         """At recovery, before the records still there are indexed: what the dropped ones decided."""
         self.floor = max(self.floor, checkpoint.floor)
         self.snapshot_end = checkpoint.snapshot_end
+        self.last_append_ms = checkpoint.last_append_ms
         self._durable_producers.update(checkpoint.producers)
         self._durable_meta.last_stream_seq = checkpoint.last_stream_seq
         if checkpoint.closed:
@@ -173,6 +177,7 @@ class DiskLog:
     def checkpoint_at(self, floor: int, snapshot_end: int | None = None) -> FloorCheckpoint:
         """The durable state now, as a floor checkpoint at `floor`."""
         meta = self._durable_meta
+        times = [segment.last_ms for segment in self.segments if segment.last_ms is not None]
         return FloorCheckpoint(
             floor,
             dict(self._durable_producers),
@@ -180,6 +185,7 @@ class DiskLog:
             self._pub_closed,
             meta.closed_by,
             snapshot_end,
+            max(times, default=self.last_append_ms),
         )
 
     @property
@@ -413,7 +419,7 @@ class DiskLog:
         """A descriptor of a sealed segment for the archiver to upload from, or None if the stream
         is gone. It stays valid whatever happens to the stream meanwhile."""
         async with self.exclusive():
-            if self.deleted or not segment.local:
+            if self.deleted or not segment.local or segment.retained_away:
                 return None
             return await self._storage.run_io(self._storage.fs.open, segment.path, os.O_RDONLY)
 
@@ -446,12 +452,17 @@ class DiskLog:
         durable before anything below it goes. False if there was nothing to move. A compaction
         passes where its snapshot (starting at `new_floor`) ends."""
         async with self.exclusive():
-            if self.deleted or new_floor <= self.floor:
+            if self.deleted or new_floor < self.floor or (new_floor == self.floor and snapshot_end is None):
                 return False
             if snapshot_end is None and self.snapshot_end is not None and self.snapshot_end > new_floor:
                 snapshot_end = self.snapshot_end  # retention below a snapshot keeps it in view
             checkpoint = self.checkpoint_at(new_floor, snapshot_end)
             try:
+                if self.dirty:
+                    # fsync=interval/never: the checkpoint must not claim producer state or a
+                    # close whose records a power cut could still take back.
+                    await self._storage.run_io(self.writer.sync, self.active_segment)
+                    self.dirty = False
                 await self._storage.run_io(floors.save, self._storage.fs, self.directory, checkpoint)
             except OSError as error:
                 raise from_os_error(error, f"retention checkpoint of {self.meta.name!r}") from None
@@ -480,14 +491,19 @@ class DiskLog:
                 segment.retained_away = True  # reads that hold it now answer 410
             fs = self._storage.fs
             manifest_changed = len(entries) != len(self.cold_entries)
+            if manifest_changed:
+                try:
+                    await self._storage.run_io(manifest.save_manifest, fs, self.directory, entries)
+                except OSError as error:
+                    for segment in doomed:
+                        segment.retained_away = False
+                    raise from_os_error(error, f"retention of {self.meta.name!r}") from None
+            # From here the drop has happened (the floor and the manifest say so): files that
+            # cannot be removed now are below the floor, removed by the next pass or at start.
             try:
-                await self._storage.run_io(
-                    _drop_files, fs, self.directory, doomed, entries if manifest_changed else None
-                )
+                await self._storage.run_io(_drop_files, fs, self.directory, doomed)
             except OSError as error:
-                for segment in doomed:
-                    segment.retained_away = False
-                raise from_os_error(error, f"retention of {self.meta.name!r}") from None
+                log.warning("retention of %r: leftover files below the floor: %s", self.meta.name, error)
             freed = new_start - self.segments[0].start
             self.cold_entries = entries
             del self.segments[:count]
@@ -601,12 +617,10 @@ class DiskLog:
             ) from None
 
 
-def _drop_files(fs: FileSystem, directory: Path, doomed: list[Segment], entries: list[dict] | None) -> None:
-    """The manifest without the doomed segments, then their files oldest first: a crash leaves a
-    suffix of them (recovery skips a gap below the floor) and bucket objects no manifest lists,
-    which `archive verify` finds."""
-    if entries is not None:
-        manifest.save_manifest(fs, directory, entries)
+def _drop_files(fs: FileSystem, directory: Path, doomed: list[Segment]) -> None:
+    """The doomed segments' files, oldest first (the manifest no longer lists them): a crash
+    leaves a suffix of them (recovery finishes a gap below the floor) and bucket objects no
+    manifest lists, which `archive verify` finds."""
     for segment in doomed:
         files.unlink_quietly(fs, segment.path)
         files.unlink_quietly(fs, str(segment.path) + manifest.INDEX_SUFFIX)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
 from streamkeep.health import Health
+from streamkeep.storage import forks
 from streamkeep.storage.log import DiskLog
 from streamkeep.subscriptions.globs import compile_glob
 
@@ -96,7 +98,7 @@ def fork_pins(storage: object, logs: list[DiskLog]) -> dict[str, int]:
     fork point, and through a chain of forks, every ancestor's range below the fork points."""
     pins: dict[str, int] = {}
     for stream_log in logs:
-        low = stream_log.floor
+        low = forks.readable_from(storage, stream_log)  # type: ignore[arg-type]
         current = stream_log
         while current.meta.forked_from is not None and low < current.meta.fork_base:
             source = storage.open(current.meta.forked_from)  # type: ignore[attr-defined]
@@ -142,6 +144,9 @@ class Retention:
         storage = self.storage
         logs: list[DiskLog] = storage.logs()  # type: ignore[attr-defined]
         pins = fork_pins(storage, logs)
+        # Forks that exist on disk, per source. A source counting more is having one created
+        # right now (attached, files not yet written): nothing of it is dropped this pass.
+        visible = Counter(log.meta.forked_from for log in logs if log.meta.forked_from is not None)
         budget = self.max_segments_per_pass
         now_ms = self.clock() * 1000
         for stream_log in logs:
@@ -161,7 +166,7 @@ class Retention:
                         if self.notify is not None:
                             self.notify(name)
                 limit = min(stream_log.floor, pins.get(name, math.inf))
-                if stream_log.held_from < limit:
+                if stream_log.held_from < limit and stream_log.meta.fork_count <= visible[name]:
                     before = len(stream_log.segments)
                     freed, keys = await stream_log.drop_held(int(limit))
                     dropped = before - len(stream_log.segments)
