@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from streamkeep.actors.stream_actor import check_compactable, not_state_message
+from streamkeep.actors.stream_actor import check_compactable, fold_range
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, not_found
-from streamkeep.protocol.state_fold import NotStateMessage, StateFold
+from streamkeep.protocol.state_fold import StateFold
 from streamkeep.storage import forks
 from streamkeep.storage.errors import STORAGE_ERRORS, as_protocol_error
 
@@ -157,23 +157,13 @@ class Compactor:
         position = floor_before
         target = stream_log.published_tail
         progress.target_bytes = target - floor_before
-        while position < target:  # the background fold, like any reader
-            result = await forks.read_range(
-                self.storage, stream_log, position, READ_CHUNK, whole_messages=True, limit=target
-            )
-            slice_end = time.perf_counter() + SLICE_SECONDS
-            try:
-                for message in result.messages:
-                    fold.apply(message)
-                    position += len(message)
-                    if time.perf_counter() >= slice_end:
-                        await trio.lowlevel.checkpoint()
-                        slice_end = time.perf_counter() + SLICE_SECONDS
-            except NotStateMessage as error:
-                raise not_state_message(error, offsets.encode(position, stream_log.meta.incarnation)) from None
-            position = result.next_position
-            progress.folded_bytes = position - floor_before
-            await trio.lowlevel.checkpoint()
+        def folded(at: int) -> None:
+            progress.folded_bytes = at - floor_before
+
+        position = await fold_range(
+            self.storage, stream_log, fold, position, target, READ_CHUNK,
+            slice_seconds=SLICE_SECONDS, progress=folded,
+        )  # fmt: skip
         progress.phase = "appending"
         commit, start, stream_log = await self.supervisor.call(name, "compact", fold, position, READ_CHUNK, stream_id)
         end = await commit.wait()  # durable: only now may readers be sent to it

@@ -429,18 +429,7 @@ class StreamActor:
         await stream_log.drain()  # appends accepted before this message land first
         if stream_log.published_closed:
             raise ProtocolError(409, "stream_closed", f"stream {self.name!r} is closed: nothing to compact for")
-        tail = stream_log.published_tail
-        while position < tail:
-            result = await forks.read_range(
-                self._storage, stream_log, position, chunk, whole_messages=True, limit=tail
-            )
-            try:
-                for message in result.messages:
-                    fold.apply(message)
-                    position += len(message)
-            except NotStateMessage as error:
-                raise not_state_message(error, offsets.encode(position, stream_log.meta.incarnation)) from None
-            position = result.next_position
+        await fold_range(self._storage, stream_log, fold, position, stream_log.published_tail, chunk)
         start = await fresh_segment()
         # Encoding 100,000 values takes a while: in a worker thread, so other streams' requests
         # get the event loop back every few milliseconds (the GIL's switch interval).
@@ -495,6 +484,38 @@ class StreamActor:
 
     async def delete(self) -> None:
         await self._remove(await self._existing(time.time()))
+
+
+async def fold_range(
+    storage: Storage,
+    stream_log: StreamLog,
+    fold: StateFold,
+    position: int,
+    limit: int,
+    chunk: int,
+    *,
+    slice_seconds: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Folds the messages of `stream_log` from `position` up to `limit`, read like any reader, in
+    reads of `chunk` bytes; yields to the event loop after `slice_seconds` of folding if given.
+    Returns where it stopped (`limit`); 422 at a message not of the State Protocol's shape."""
+    while position < limit:
+        result = await forks.read_range(storage, stream_log, position, chunk, whole_messages=True, limit=limit)
+        slice_end = time.perf_counter() + (slice_seconds or 0.0)
+        try:
+            for message in result.messages:
+                fold.apply(message)
+                position += len(message)
+                if slice_seconds is not None and time.perf_counter() >= slice_end:
+                    await trio.lowlevel.checkpoint()
+                    slice_end = time.perf_counter() + slice_seconds
+        except NotStateMessage as error:
+            raise not_state_message(error, offsets.encode(position, stream_log.meta.incarnation)) from None
+        position = result.next_position
+        if progress is not None:
+            progress(position)
+    return position
 
 
 def _groups(messages: list[bytes], limit: int) -> list[list[bytes]]:
