@@ -37,7 +37,9 @@ test: lint unit conformance
 lint: $(VENV_STAMP)
 	$(VENV)/bin/ruff check streamkeep tests ops
 
-unit: $(VENV_STAMP) system-tools
+# The unit tests need Node packages too: the State Protocol's reference materializer
+# (@durable-streams/state, conformance/materialize.mjs) judges compaction.
+unit: $(VENV_STAMP) $(NPM_STAMP) system-tools
 	$(PY) -m pytest -q
 
 # The fault tests mount a small tmpfs and an ext4 loop image (as root, as CI runs): mkfs.ext4
