@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 from streamkeep import __version__, config
@@ -124,17 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_TTL_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def parse_ttl(text: str) -> int:
-    """Seconds from `90`, `90s`, `15m`, `1h` or `7d`."""
+    """Seconds from `90`, `90s`, `15m`, `1h` or `7d`: a whole number, with config's units."""
     value = text.strip().lower()
-    unit = value[-1:] if value[-1:] in _TTL_UNITS else "s"
-    number = value[:-1] if value[-1:] in _TTL_UNITS else value
-    if not number.isdigit() or int(number) <= 0:
+    if not re.fullmatch(r"\d+[smhd]?", value) or int(value.rstrip("smhd")) <= 0:
         raise ValueError(f"--ttl {text!r}: expected a duration like 90s, 15m, 1h or 7d")
-    return int(number) * _TTL_UNITS[unit]
+    return int(config.duration(value))
 
 
 def _sign(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import trio
 
+from streamkeep.storage import files
+
 PROBE_FILE = ".readyz-probe"
 CHECK_EVERY = 1.0
 
@@ -34,7 +36,7 @@ class Readiness:
     ) -> None:
         self.data_dir = data_dir
         self.min_free_bytes = min_free_bytes
-        self._free_bytes = free_bytes or _statvfs_free
+        self._free_bytes = free_bytes or files.OS.free_bytes
         self._jwks_loaded = jwks_loaded
         self._checked_at = -float("inf")
         self._disk_reason: str | None = None
@@ -70,11 +72,6 @@ class Readiness:
         if free < self.min_free_bytes:
             return "the data directory's free space is below --min-free-bytes: appends get 507 until space is freed"
         return None
-
-
-def _statvfs_free(path: Path) -> int:
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
 
 
 ReadinessCheck = Callable[[], Awaitable[str | None]]

@@ -43,6 +43,11 @@ CATCH_UP_CACHE = "public, max-age=60, stale-while-revalidate=300"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+def alive() -> Response:
+    """`/healthz`: the liveness probe, on the main port and the metrics port alike."""
+    return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
+
+
 def not_ready(reason: str) -> ProtocolError:
     return ProtocolError(503, "not_ready", f"the server is not ready yet: {reason}", [("Retry-After", "1")])
 
@@ -222,7 +227,7 @@ class Service:
         if kind == routes.PREFLIGHT:
             return responses.preflight()
         if kind == routes.HEALTH:
-            return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
+            return alive()
         if kind == routes.READY:
             return await self._ready()
         if kind == routes.METRICS and self.metrics_page is not None:

@@ -25,10 +25,10 @@ from streamkeep.auth.quotas import Quotas
 from streamkeep.auth.tokens import Principal, TokenVerifier, UnknownKey
 from streamkeep.protocol.model import Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
-from streamkeep.subscriptions.config import CONTROL_PREFIX
+from streamkeep.subscriptions.config import CONTROL_PREFIX, WAKE_ACTIONS
 
 REALM = 'Bearer realm="streamkeep"'
-_WAKE_ENDPOINTS = ("/callback", "/ack", "/release")
+_WAKE_ENDPOINTS = tuple(f"/{action}" for action in WAKE_ACTIONS)
 _READ_METHODS = ("GET", "HEAD")
 # Writes the append quota counts: appends, closes, and creates and forks (which may carry a body).
 _CHARGED = frozenset((routes.APPEND, routes.CLOSE, routes.CREATE, routes.FORK))

@@ -12,7 +12,7 @@ from streamkeep import routes
 from streamkeep.protocol import responses
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
-from streamkeep.service import METRICS_CONTENT_TYPE, Service
+from streamkeep.service import METRICS_CONTENT_TYPE, Service, alive
 
 
 class MetricsEndpoint:
@@ -27,7 +27,7 @@ class MetricsEndpoint:
         if route.kind == routes.METRICS:
             return Response(200, [("Content-Type", METRICS_CONTENT_TYPE), ("Cache-Control", "no-store")], self.page())
         if route.kind == routes.HEALTH:
-            return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
+            return alive()
         if route.kind == routes.READY:
             return await self.service._ready()
         return responses.error(

@@ -21,6 +21,7 @@ from streamkeep.protocol.errors import ProtocolError, bad_request
 from streamkeep.protocol.model import Request, Response
 from streamkeep.subscriptions.config import (
     CONTROL_PREFIX,
+    WAKE_ACTIONS,
     SubscriptionConfig,
     check_id,
     normalize_streams,
@@ -62,9 +63,6 @@ def _not_found(sub_id: str) -> ProtocolError:
     return ProtocolError(404, "SUBSCRIPTION_NOT_FOUND", f"no subscription {sub_id!r}")
 
 
-# The wake endpoints: called with the subscription's own wake tokens, not the server's JWTs;
-# the token kind each one takes.
-_WAKE_ACTIONS = {"callback": "callback", "ack": "claim", "release": "claim"}
 # With auth on, subscriptions one token subject may own (each is walked at every publish).
 MAX_SUBSCRIPTIONS_PER_OWNER = 100
 
@@ -114,7 +112,7 @@ class ControlApi:
 
     async def _dispatch(self, request: Request, sub_id: str, action: str) -> Response:
         method = request.method
-        if action not in _WAKE_ACTIONS and not (action == "" and method == "PUT"):
+        if action not in WAKE_ACTIONS and not (action == "" and method == "PUT"):
             self._check_owner(request.principal, sub_id)
         if action == "":
             if method == "PUT":
@@ -127,10 +125,10 @@ class ControlApi:
             return await self._add_streams(request, self._get(sub_id))
         elif action.startswith("streams/") and method == "DELETE":
             return await self._remove_stream(self._get(sub_id), unquote(action[len("streams/") :]))
-        elif action in _WAKE_ACTIONS and method == "POST":
+        elif action in WAKE_ACTIONS and method == "POST":
             # The token is checked before the subscription is looked up, so the public wake
             # endpoints answer the same 401 whether or not an id exists.
-            self._authorized_id(request, sub_id, _WAKE_ACTIONS[action])
+            self._authorized_id(request, sub_id, WAKE_ACTIONS[action])
             return await getattr(self, f"_{action}")(request, self._get(sub_id))
         elif action == "claim" and method == "POST":
             return await self._claim(request, self._get(sub_id))

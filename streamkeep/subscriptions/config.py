@@ -15,6 +15,10 @@ from streamkeep.protocol.names import RESERVED_SEGMENT, STREAM_PREFIX, check_str
 from streamkeep.subscriptions.globs import Glob, compile_glob, glob_match
 
 CONTROL_PREFIX = f"{STREAM_PREFIX}{RESERVED_SEGMENT}/"  # where the control API lives (§6)
+# The wake endpoints (POST .../subscriptions/<id>/<action>) and the token kind each takes: they
+# are called with the subscription's own wake tokens, never the server's JWTs (auth/gate.py lets
+# them through; api.py checks their tokens).
+WAKE_ACTIONS = {"callback": "callback", "ack": "claim", "release": "claim"}
 DEFAULT_LEASE_MS = 30_000
 MIN_LEASE_MS = 1_000
 MAX_LEASE_MS = 600_000
