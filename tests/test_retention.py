@@ -347,3 +347,21 @@ async def test_interval_fsync_checkpoint_claims_only_what_survives_a_power_cut()
         assert retry.status in (200, 204)
         body = (await call(service, "GET", "s", query="offset=-1")).body
         assert b"p0;" in body, (tail, body)  # a checkpoint that claimed seq 0 would have lost it
+
+
+async def test_a_compacted_json_stream_keeps_its_floor_against_age_and_size() -> None:
+    """A `compact = "state"` rule's size and age limits leave its JSON streams alone (a floor by
+    size would cut the state a reader from -1 materializes) and still apply to its text streams."""
+    fs = new_fs()
+    json_type = [("Content-Type", "application/json")]
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "j", b"", json_type)).status == 201
+        assert (await call(service, "PUT", "t", b"", T)).status == 201
+        for n in range(20):
+            change = {"type": "row", "key": f"k{n % 3}", "value": n, "headers": {"operation": "upsert"}}
+            assert (await call(service, "POST", "j", json.dumps(change).encode(), json_type)).status in (200, 204)
+        await append_all(service, "t", 20)
+        await retention(storage, [1e15], max_bytes=30, max_age=1, compact="state", compact_min_bytes=1 << 30).pass_once()
+        json_log, text_log = storage.open("j"), storage.open("t")
+        assert json_log is not None and json_log.floor == 0
+        assert text_log is not None and text_log.floor > 0

@@ -68,7 +68,13 @@ def rule_for(rules: list[RetentionRule], name: str) -> RetentionRule | None:
 
 def planned_floor(stream_log: DiskLog, rule: RetentionRule, now_ms: float, budget: int) -> int:
     """Where `rule` puts the floor of `stream_log` now: the end of the last sealed segment it
-    drops, dropping a prefix only (at most `budget` segments)."""
+    drops, dropping a prefix only (at most `budget` segments).
+
+    A stream the rule compacts keeps its floor where compaction put it: dropping by age or size
+    would cut its state (a snapshot, or the history before the first one), and a reader from the
+    floor must materialize what a reader from the beginning did."""
+    if rule.compact == "state" and stream_log.meta.json_mode:
+        return stream_log.floor
     segments = stream_log.segments
     tail = stream_log.published_tail
     floor = stream_log.floor
