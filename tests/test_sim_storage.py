@@ -272,6 +272,42 @@ async def test_a_failed_writes_undo_stays_cut_when_its_sync_fails() -> None:
         assert (await call(service, "GET", "s", query="offset=-1")).body == b"kept;next;rotated;"
 
 
+async def test_a_new_segment_taken_back_without_a_directory_sync_is_not_a_definite_failure() -> None:
+    """Found by the torture run with retention (sim seed 7): an append that rotated to a new
+    segment failed at the directory's sync; the undo unlinked the segment, its own directory sync
+    failed too and was ignored, and the append was answered 507. The power cut that followed kept
+    the file but not the unlink, and the append answered as failed was in the stream. Until a
+    directory sync covers the unlink, the failure is not definite (503 not_durable)."""
+    import json
+
+    for seed in range(12):
+        fs = new_fs()
+        options: dict[str, Any] = {"segment_max_messages": 2}
+        async with server(fs, **options) as (service, _):
+            await call(service, "PUT", "s", b"a;", T)
+            await call(service, "POST", "s", b"b;", T)
+            real_fsync = fs.fsync
+            failing = [2]
+
+            def fsync(fd: int, fs: Steered = fs, failing: list[int] = failing, real: Any = real_fsync) -> None:
+                if failing[0] and fs.open_fds().get(fd, "").endswith("streams/s"):
+                    failing[0] -= 1
+                    raise OSError(errno.EIO, "Input/output error")
+                real(fd)
+
+            fs.fsync = fsync  # type: ignore[method-assign]
+            answer = await call(service, "POST", "s", b"c;", T)  # the third record: a new segment
+            fs.fsync = real_fsync  # type: ignore[method-assign]
+            assert failing[0] == 0, "the fault did not hit the directory syncs"
+            code = json.loads(answer.body)["error"]["code"]
+        fs = fs.power_cut(random.Random(seed))
+        async with server(fs, **options) as (service, _):
+            body = (await call(service, "GET", "s", query="offset=-1")).body
+        assert body in (b"a;b;", b"a;b;c;")
+        if b"c;" in body:
+            assert answer.status == 503 and code == "not_durable", (seed, answer.status, code)
+
+
 async def test_a_read_that_races_a_delete_is_a_404() -> None:
     """Found by the simulation (seed 277): a read found a segment file gone because a delete had
     just moved the stream into trash/, but the delete had not yet marked the stream deleted, so the

@@ -142,6 +142,9 @@ class SegmentWriter:
         self.directory = directory
         self._fd: int | None = None
         self.needs_repair = False  # a write or sync failed: reopen and re-verify before writing
+        # A segment a failed write created was unlinked, but the directory's sync failed: until a
+        # sync succeeds, a power cut may bring the file, and the failed append in it, back.
+        self.unlink_unsynced = False
         self.synced_size: int | None = None  # how much of the active segment is known durable
         self.read_only: str | None = None
 
@@ -204,10 +207,7 @@ class SegmentWriter:
                 self._close_quietly(fd)
             _unlink_quietly(fs, segment.path)
         if opened:
-            try:
-                files.fsync_dir(fs, self.directory)
-            except OSError:
-                pass
+            self.unlink_unsynced = True
         # The descriptor saw a failure (or its last fsync may have): never sync through it again.
         if self._fd is not None:
             self._close_quietly(self._fd)
@@ -216,7 +216,7 @@ class SegmentWriter:
         try:
             self.repair(active)
         except (OSError, ReadOnly):
-            return False
+            return False  # torture seed 7: a 507 whose new segment came back after a power cut
         return True
 
     def repair(self, active: Segment) -> None:
@@ -236,8 +236,9 @@ class SegmentWriter:
         ]
         for name in later:
             fs.unlink(os.path.join(self.directory, name))
-        if later:
+        if later or self.unlink_unsynced:
             files.fsync_dir(fs, self.directory)
+            self.unlink_unsynced = False
         fd = fs.open(active.path, os.O_RDWR)
         try:
             size = fs.fsize(fd)
