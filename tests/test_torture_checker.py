@@ -495,3 +495,87 @@ def test_a_disk_filled_while_a_mutator_ran_explains_its_507() -> None:
     s.op("create", "txt/0", Call("PUT", "/v1/stream/txt/0", headers=TEXT), Outcome(507, body=full), params)
     s.fault("disk_full")
     assert s.check() == ["unexplained-503"]
+
+
+# ---- retention and compaction (issue 13) ------------------------------------------------------
+
+RETENTION = RunConfig(retention=True)
+GONE = json.dumps({"error": {"code": "offset_before_floor", "message": "dropped by retention"}})
+
+
+def head_with_floor(s: Script, name: str, inc: int, tail: int, floor: int) -> None:
+    headers = {"stream-next-offset": tok(inc, tail), "content-type": "text/plain", "stream-earliest-offset": tok(inc, floor)}
+    s.op("head", name, Call("HEAD", f"/v1/stream/{name}"), Outcome(200, headers))
+
+
+def gone(s: Script, name: str, offset: str, floor: str) -> None:
+    call = Call("GET", f"/v1/stream/{name}", query={"offset": offset})
+    s.op("read", name, call, Outcome(410, {"stream-earliest-offset": floor}, GONE), {"offset": offset})
+
+
+def test_a_retained_history_is_clean_and_excuses_only_what_lies_below_the_floor() -> None:
+    s = three_appends()
+    head_with_floor(s, "txt/0", A, 24, 8)
+    gone(s, "txt/0", tok(A, 0), tok(A, 8))
+    s.read("txt/0", "-1", rec("w0.2") + rec("w0.3"), A, 24, final=True)
+    assert s.check(RETENTION) == []
+    # The same history judged without retention: a 410 for a live stream, a read from -1 not at 0.
+    assert {"wrong-status", "offset-arithmetic"} <= set(s.check())
+
+
+def test_an_append_above_the_floor_is_still_owed() -> None:
+    s = three_appends()
+    s.read("txt/0", "-1", rec("w0.2"), A, 16, final=True)  # from the floor 8, w0.3 missing
+    assert "lost-append" in s.check(RETENTION) or "tail-went-back" in s.check(RETENTION)
+
+
+def test_a_floor_that_goes_back_is_reported() -> None:
+    s = three_appends()
+    head_with_floor(s, "txt/0", A, 24, 16)
+    s.read("txt/0", "-1", rec("w0.2") + rec("w0.3"), A, 24)  # starts at 8: below the floor shown
+    assert "floor-went-back" in s.check(RETENTION)
+
+
+def test_a_410_at_or_above_the_floor_is_reported() -> None:
+    s = three_appends()
+    gone(s, "txt/0", tok(A, 16), tok(A, 8))
+    assert "gone-above-floor" in s.check(RETENTION)
+
+
+def state_message(record_id: str, key: str, fill: str = "xx") -> dict:
+    return {"id": record_id, "f": fill, "type": "row", "key": key, "value": record_id, "headers": {"operation": "upsert"}}
+
+
+def json_history(snapshot_value: str) -> Script:
+    """k0 set by w0.1 then w0.3, k1 by w0.2; a snapshot at the tail claims k0 holds `snapshot_value`."""
+    from ops.torture.payloads import canonical
+
+    s = Script()
+    json_type = {"Content-Type": "application/json"}
+    params = {"content_type": "application/json", "ttl": None, "expires_at": None, "closed": False}
+    s.op("create", "json/0", Call("PUT", "/v1/stream/json/0", headers=json_type), Outcome(201, {"stream-next-offset": tok(A, 0)}), params)
+    messages = [state_message("w0.1", "k0"), state_message("w0.2", "k1"), state_message("w0.3", "k0")]
+    end = 0
+    for message in messages:
+        stored = canonical(message).decode()
+        end += len(stored)
+        params = {"record": message["id"], "stored": stored, "record_ids": [message["id"]]}
+        outcome = Outcome(204, {"stream-next-offset": tok(A, end)})
+        s.op("append", "json/0", Call("POST", "/v1/stream/json/0", headers=json_type, body=stored), outcome, params)
+    snapshot = [
+        {"headers": {"control": "snapshot-start", "offset": tok(A, end)}},
+        {"type": "row", "key": "k0", "value": snapshot_value, "headers": {"operation": "insert"}},
+        {"type": "row", "key": "k1", "value": "w0.2", "headers": {"operation": "insert"}},
+        {"headers": {"control": "snapshot-end", "offset": tok(A, end)}},
+    ]
+    everything = messages + snapshot
+    tail = end + sum(len(canonical(m)) for m in snapshot)
+    headers = {"stream-next-offset": tok(A, tail), "content-type": "application/json", "stream-up-to-date": "true"}
+    call = Call("GET", "/v1/stream/json/0", query={"offset": "-1"})
+    s.op("read", "json/0", call, Outcome(200, headers, json.dumps(everything)), {"offset": "-1"})
+    return s
+
+
+def test_a_snapshot_is_judged_against_the_changes_before_it() -> None:
+    assert json_history("w0.3").check(RETENTION) == []
+    assert "snapshot-wrong" in json_history("w0.1").check(RETENTION)  # an older value of k0

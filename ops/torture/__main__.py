@@ -46,6 +46,7 @@ def blackbox(args: argparse.Namespace) -> int:
         sync_method=args.sync_method,
         disk=args.disk,
         cold=not args.no_cold,
+        retention=not args.no_retention,
         workers=args.workers,
         dump_dir=Path(args.dump_dir),
         server_args=tuple(args.server_args.split()),
@@ -80,6 +81,7 @@ def check(args: argparse.Namespace) -> int:
         fsync=meta.get("fsync", "always"),
         fsync_interval=float(meta.get("fsync_interval", 1.0)),
         cold=meta.get("cold", "True") == "True",
+        retention=meta.get("retention", "False") == "True",
     )
     summary = check_history(events, config)
     print(
@@ -106,6 +108,7 @@ def main() -> int:
     box.add_argument("--sync-method", choices=("fdatasync", "syncfs"), default="fdatasync")
     box.add_argument("--disk", choices=("tmpfs", "ext4", "plain"), default="tmpfs")
     box.add_argument("--no-cold", action="store_true", help="no S3 cold tier")
+    box.add_argument("--no-retention", action="store_true", help="no retention rules, no compaction")
     box.add_argument("--workers", type=int, default=6)
     box.add_argument("--seeds", type=int, default=1, help="runs, with seeds seed, seed+1, ...")
     box.add_argument("--until-failure", action="store_true", help="next seed until a run finds something")
@@ -194,6 +197,7 @@ def all_tiers(args: argparse.Namespace) -> int:
         sync_method="fdatasync",
         disk="tmpfs",
         no_cold=False,
+        no_retention=False,
         workers=6,
         seeds=1,
         until_failure=False,

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ops.torture import retention as torture_retention
 from ops.torture.checker import Checker, Summary
 from ops.torture.history import Call, History, OpStarted, Outcome
 from ops.torture.model import RunConfig
@@ -46,6 +47,7 @@ from ops.torture.rig import CREDENTIALS, S3, Disk, Server, WebhookReceiver
 from ops.torture.transport import HttpTransport
 
 VANISHING = ("vanish", "cut_body", "send_and_vanish")
+SEGMENT_BYTES = 16384
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Options:
     sync_method: str = "fdatasync"
     disk: str = "tmpfs"
     cold: bool = True
+    retention: bool = True  # retention rules and compaction (ops/torture/retention.py)
     workers: int = 6
     fsync_interval: float = 0.5
     dump_dir: Path = Path(tempfile.gettempdir()) / "torture-runs"
@@ -69,7 +72,7 @@ class Options:
             f"--fsync {self.fsync} --sync-method {self.sync_method} --disk {self.disk} --workers {self.workers}"
         )
         extra = f" --server-args='{' '.join(self.server_args)}'" if self.server_args else ""
-        return command + ("" if self.cold else " --no-cold") + extra
+        return command + ("" if self.cold else " --no-cold") + ("" if self.retention else " --no-retention") + extra
 
 
 @dataclass
@@ -118,7 +121,9 @@ class Run:
         self.log = log
         self.root = Path(tempfile.mkdtemp(prefix=f"torture-{options.seed}-"))
         self.history = History(meta={"tier": "blackbox", **{k: str(v) for k, v in asdict(options).items()}})
-        config = RunConfig(fsync=options.fsync, fsync_interval=options.fsync_interval, cold=options.cold)
+        config = RunConfig(
+            fsync=options.fsync, fsync_interval=options.fsync_interval, cold=options.cold, retention=options.retention
+        )
         self.checker = Checker(config)
         self.view = ClientView()
         self.disk = Disk(options.disk, self.root)
@@ -148,7 +153,7 @@ class Run:
         args = [
             "--storage", "disk", "--data-dir", str(data),
             "--fsync", o.fsync, "--sync-method", o.sync_method, "--fsync-interval", str(o.fsync_interval),
-            "--segment-max-bytes", "16384", "--segment-max-messages", "40", "--segment-max-age", "2",
+            "--segment-max-bytes", str(SEGMENT_BYTES), "--segment-max-messages", "40", "--segment-max-age", "2",
             "--read-chunk-bytes", "65536",
             "--long-poll-timeout", "1.5", "--sse-close-after", "4", "--hibernate-after", "3",
             "--shutdown-grace", "3", "--send-stall-timeout", "3",
@@ -159,6 +164,10 @@ class Run:
                 "--cold-url", "s3://torture/run", "--cold-endpoint", self.s3.url, "--cold-create-bucket",
                 "--cold-high-water-bytes", str(1 << 20), "--cold-cache-bytes", str(256 << 10),
             ]  # fmt: skip
+        if o.retention:
+            rules = self.root / "retention.toml"
+            rules.write_text(torture_retention.toml(SEGMENT_BYTES))
+            args += ["--config", str(rules), "--retention-interval", "0.5"]
         return [*args, *o.server_args]
 
     def setup(self) -> None:

@@ -32,6 +32,7 @@ KEPT_HEADERS = frozenset(
     {
         "content-type",
         "stream-next-offset",
+        "stream-earliest-offset",
         "stream-closed",
         "stream-up-to-date",
         "stream-cursor",

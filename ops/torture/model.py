@@ -17,6 +17,13 @@ to, with the uncertainty that real time and faults leave:
   floor for operations that start later). Appends are self-identifying (ops/torture/payloads.py),
   so the observed content parses back into appends: each one sent, stored at most once, and
   exactly once if acknowledged; definite failures never; producers' seqs contiguous.
+- Retention and compaction (issue 13). Each incarnation keeps the floors answers reported
+  (`floors`: a 410 `offset_before_floor` and HEAD's `Stream-Earliest-Offset`, the start of an
+  `offset=-1` read), which never go down. Bytes below a floor cannot be read any more: parsing in
+  order jumps to the floor (producer seqs are then learnt afresh), and the end-of-run check
+  excuses appends below the final floor. JSON appends are State Protocol changes
+  (payloads.json_message), so compaction's snapshots are judged: read in order, a snapshot must
+  hold exactly the state the changes before it fold to (key -> the id of the change that set it).
 - Faults. Fault windows (disk full, S3 down, server down) decide whether a 503/507 or a refused
   connection is explained; the durability contract (ops/torture/contract.py) decides what a
   process fault may take back (nothing, in this server, short of a power cut).
@@ -241,6 +248,16 @@ class Incarnation:
     touched_lo_write: float = 0.0  # the same, counting only what a restart keeps (appends)
     touched_hi: float = 0.0  # maybe touched until
     cold_wiped_at: float | None = None  # the bucket was wiped while this incarnation lived
+    floors: TailLog = field(default_factory=TailLog)  # floors reported (never go down)
+    final_floor: int = 0  # where the end-of-run read from -1 began
+    # Parsing in order jumped over bytes retained away: the next seq of a producer is learnt.
+    resynced: bool = False
+    # A JSON stream's state as its changes read in order fold it (key -> id of the change that set
+    # it); None while unknown (a fork's source part, after a jump to a floor).
+    fold: dict[str, str] | None = None
+    snapshot: dict[str, str] | None = None  # a snapshot being read in order: key -> id
+    snapshot_fold: dict[str, str] | None = None  # the fold where that snapshot began
+    snapshot_offset: str | None = None  # the offset its snapshot-start named
     replaced: bool = False  # its data directory was replaced by an empty one (a bricked server)
 
     def label(self) -> str:
@@ -361,6 +378,7 @@ class RunConfig:
     fsync: str = "always"
     fsync_interval: float = 1.0
     cold: bool = True
+    retention: bool = False  # retention rules and compaction run (ops/torture/retention.py)
 
 
 class Model:
@@ -495,6 +513,8 @@ class Model:
     def new_inc(self, name: str, number: int | None, started: OpStarted, **fields: object) -> Incarnation:
         inc = Incarnation(name=name, number=number, created_by=started.id, created_at=started.time, **fields)  # type: ignore[arg-type]
         inc.touched_lo = inc.touched_lo_write = inc.touched_hi = started.time
+        if inc.json and inc.source is None:
+            inc.fold = {}  # a fork's state begins with its source's, which this fork never parses
         if number is not None:
             self.incs[number] = inc
         self.all_incs.append(inc)
@@ -673,6 +693,33 @@ class Model:
         inc.tails.add(ended.time, tail, ended.id)
         inc.last_tail = max(inc.last_tail, tail)
 
+    def floor_seen(
+        self, inc: Incarnation, floor: int, started: OpStarted, ended: OpEnded, what: str
+    ) -> None:
+        """An answer that reports `floor` as the earliest position readers may ask for: it may not
+        be below a floor reported by an answer that ended before this one began (the floor never
+        goes down, across restarts too), nor past a tail that was already reported."""
+        before, before_event = inc.floors.floor(started.time)
+        self.check(
+            "floor-monotonic",
+            floor >= before,
+            "floor-went-back",
+            f"{inc.label()}: {what} reported the floor at {floor}, but an answer that ended before it "
+            f"began had reported {before}",
+            [started.id, before_event],
+        )
+        self.check(
+            "floor-below-tail",
+            floor <= max(inc.last_tail, inc.seen.known_end(floor)),
+            "floor-past-tail",
+            f"{inc.label()}: {what} reported the floor at {floor}, past every tail reported ({inc.last_tail})",
+            [started.id],
+        )
+        inc.floors.add(ended.time, floor, ended.id)
+
+    def latest_floor(self, inc: Incarnation) -> int:
+        return inc.floors.floor(math.inf)[0]
+
     def close_at(self, inc: Incarnation, tail: int, event: int) -> None:
         if inc.final_tail is not None and inc.final_tail[0] != tail:
             self.finding(
@@ -693,6 +740,15 @@ class Model:
             return
         origin = inc.base if inc.parsed_upto < 0 else inc.parsed_upto
         end = inc.seen.known_end(origin)
+        floor = self.latest_floor(inc)
+        if end == origin and floor > origin:
+            # What lies below the floor can never be read again: parse in order from there.
+            origin = end = floor
+            inc.parsed_upto = floor
+            inc.resynced = True
+            inc.producer_last.clear()
+            inc.fold = inc.snapshot = inc.snapshot_fold = None
+            end = inc.seen.known_end(origin)
         parse = payloads.parse_json_units if inc.json else payloads.parse_text
         if end > origin:
             data = inc.seen.get(origin, end)
@@ -700,11 +756,15 @@ class Model:
                 units, _partial = parse(data, origin)
                 for unit in units:
                     at = unit.position - origin
-                    self._found(inc, unit, data[at : at + unit.length], in_order=True)
+                    self._in_order(inc, unit, data[at : at + unit.length])
                 inc.parsed_upto = units[-1].position + units[-1].length if units else origin
         prefix_end = max(inc.parsed_upto, inc.base)
+        # Islands start where an append is known to start: an acknowledged append's start or end,
+        # or a floor (retention drops whole segments, which hold whole records).
         boundaries = sorted(
-            {p for p, a in inc.acks.items()} | {p + len(a.stored) for p, a in inc.acks.items()}
+            {p for p, a in inc.acks.items()}
+            | {p + len(a.stored) for p, a in inc.acks.items()}
+            | {f for f, _ in inc.floors.best}
         )
         for start, (data, _) in zip(inc.seen.starts, inc.seen.pieces, strict=True):
             stop = start + len(data)
@@ -714,10 +774,97 @@ class Model:
             if first is None or inc.islands.get(first, -1) >= stop:
                 continue
             units, _partial = parse(data[first - start :], first)
+            in_snapshot = False
             for unit in units:
                 at = unit.position - start
+                control = payloads.snapshot_control(unit.value) if inc.json else None
+                if control is not None:
+                    in_snapshot = control[0] == "snapshot-start"
+                    continue
+                if in_snapshot and unit.record_id is None:
+                    self._snapshot_entry(inc, unit)
+                    continue
                 self._found(inc, unit, data[at : at + unit.length], in_order=False)
             inc.islands[first] = stop
+
+    def _in_order(self, inc: Incarnation, unit: payloads.Unit, data: bytes) -> None:
+        """One unit of the content read in order from the start (or a floor): snapshots are
+        judged against the fold of the changes before them, changes fold."""
+        control = payloads.snapshot_control(unit.value) if inc.json else None
+        if control is not None:
+            self._snapshot_boundary(inc, unit, control)
+            return
+        if inc.snapshot is not None and unit.record_id is None:
+            entry = self._snapshot_entry(inc, unit)
+            if entry is not None:
+                inc.snapshot[entry[0]] = entry[1]
+            return
+        self._found(inc, unit, data, in_order=True)
+        change = payloads.state_change(unit.value) if inc.json and unit.record_id else None
+        if change is not None and inc.fold is not None:
+            key, holder = change
+            if holder is None:
+                inc.fold.pop(key, None)
+            else:
+                inc.fold[key] = holder
+
+    def _snapshot_boundary(self, inc: Incarnation, unit: payloads.Unit, control: tuple[str, str]) -> None:
+        kind, offset = control
+        token = parse_token(offset)
+        if kind == "snapshot-start":
+            self.check(
+                "snapshot-offset",
+                token is not None and token[1] == unit.position,
+                "snapshot-offset",
+                f"{inc.label()}: the snapshot-start at {unit.position} names offset {offset!r}",
+                [inc.created_by],
+            )
+            inc.snapshot_offset = offset
+            inc.snapshot = {}
+            inc.snapshot_fold = None if inc.fold is None else dict(inc.fold)
+            return
+        if inc.snapshot is None:
+            # Read from a floor inside the snapshot: what follows folds from an unknown state.
+            inc.fold = None
+            return
+        self.check(
+            "snapshot-offset",
+            offset == inc.snapshot_offset,
+            "snapshot-offset",
+            f"{inc.label()}: the snapshot-end at {unit.position} names {offset!r}, its start {inc.snapshot_offset!r}",
+            [inc.created_by],
+        )
+        if inc.snapshot_fold is not None:
+            self.check(
+                "snapshot-state",
+                inc.snapshot == inc.snapshot_fold,
+                "snapshot-wrong",
+                f"{inc.label()}: the snapshot ending at {unit.position} holds {_state_diff(inc.snapshot, inc.snapshot_fold)}"
+                " against the state of the changes before it",
+                [inc.created_by],
+            )
+        inc.fold = inc.snapshot  # from here the stream folds from the snapshot, as readers do
+        inc.snapshot = inc.snapshot_fold = None
+
+    def _snapshot_entry(self, inc: Incarnation, unit: payloads.Unit) -> tuple[str, str] | None:
+        """A snapshot's `insert`: (key, id) if it names a change sent to this stream for that key."""
+        self.checks["snapshot-entries"] += 1
+        change = payloads.state_change(unit.value)
+        value = unit.value if isinstance(unit.value, dict) else {}
+        operation = value.get("headers", {}).get("operation") if isinstance(value.get("headers"), dict) else None
+        append = self.appends.get(change[1]) if change is not None and change[1] else None
+        key = _change_key(append, change[1]) if append is not None and change is not None else None
+        # A fork's state begins with its source's: the changes of its chain count.
+        names = {i.name for i in inc.chain()}
+        if change is None or operation != "insert" or append is None or append.name not in names or key != change[0]:
+            self.finding(
+                "snapshot-wrong",
+                f"{inc.label()}: position {unit.position} of a snapshot holds {unit.value!r:.120}, "
+                "not an insert of a change sent to this stream (or its fork source) for that key",
+                [inc.created_by],
+            )
+            return None
+        return change[0], change[1] or ""
 
     def _found(self, inc: Incarnation, unit: payloads.Unit, data: bytes, in_order: bool) -> None:
         self.checks["records-parsed"] += 1
@@ -787,7 +934,7 @@ class Model:
         if append.producer is not None and in_order:
             producer_id, epoch, seq = append.producer
             last = inc.producer_last.get((producer_id, epoch))
-            expected = 0 if last is None else last + 1
+            expected = (seq if inc.resynced else 0) if last is None else last + 1
             self.check(
                 "producer-contiguous",
                 seq == expected,
@@ -862,12 +1009,16 @@ class Model:
             cut, _ = inc.tails.floor(since)
             cut = max(cut, inc.base)
             inc.tails.cut_after(since)
+            inc.floors.cut_after(since)
             inc.seen.truncate(cut)
             inc.islands.clear()
             if inc.parsed_upto > cut:
                 inc.parsed_upto = -1
                 inc.found = {r: p for r, p in inc.found.items() if p < cut}
                 inc.producer_last.clear()  # re-learnt from the next parse from the start
+                inc.resynced = False
+                inc.fold = {} if inc.json and inc.source is None else None
+                inc.snapshot = inc.snapshot_fold = None
             for position, append in list(inc.acks.items()):
                 if position + len(append.stored) > cut:
                     append.may_be_lost = True
@@ -924,7 +1075,8 @@ class Model:
             if inc.foreign:
                 continue
             self._parse(inc)
-            known = inc.seen.known_end(inc.base)
+            origin = max(inc.base, inc.final_floor)
+            known = inc.seen.known_end(origin)
             # Judged against the final full read (what the stream holds at the end): every
             # acknowledged append must be in it.
             complete = inc.final_read is not None and known >= inc.final_read[0] and not inc.replaced
@@ -933,7 +1085,7 @@ class Model:
                     promised = (append.acked is not None and append.acked[0] is inc) or any(
                         i is inc for i, _ in append.duplicate_of
                     )
-                    if not promised or append.may_be_lost:
+                    if not promised or append.may_be_lost or self._below_floor(inc, append):
                         continue
                     assert inc.final_read is not None
                     self.check(
@@ -945,6 +1097,16 @@ class Model:
                         [append.acked[3] if append.acked else append.attempts[-1], inc.final_read[1]],
                     )
             self._check_order(inc)
+
+    @staticmethod
+    def _below_floor(inc: Incarnation, append: SentAppend) -> bool:
+        """Whether retention may have dropped `append` from `inc`: it began below the final floor
+        (a duplicate's answer says only that it is somewhere below the tail it reported)."""
+        if inc.final_floor <= inc.base:
+            return False
+        if append.acked is not None and append.acked[0] is inc:
+            return append.acked[1] - len(append.stored) < inc.final_floor
+        return True
 
     def _check_order(self, inc: Incarnation) -> None:
         """No append stored before another that was acknowledged before it was even sent."""
@@ -997,3 +1159,19 @@ class Model:
                 f"definitely failed ({', '.join(append.verdicts)})",
                 append.attempts,
             )
+
+
+def _change_key(append: SentAppend, record_id: str) -> str | None:
+    """The key the change `record_id` of `append` set (its bytes are the canonical messages)."""
+    units, _ = payloads.parse_json_units(append.stored)
+    for unit in units:
+        if unit.record_id == record_id:
+            change = payloads.state_change(unit.value)
+            return change[0] if change is not None else None
+    return None
+
+
+def _state_diff(got: dict[str, str], want: dict[str, str]) -> str:
+    keys = sorted(set(got) | set(want))
+    differing = [f"{k}: {got.get(k)} (expected {want.get(k)})" for k in keys if got.get(k) != want.get(k)]
+    return "; ".join(differing[:4]) or "the same"

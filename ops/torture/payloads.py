@@ -1,8 +1,11 @@
 """Self-identifying append bodies, so a read can be parsed back into the appends it holds.
 
 A text or binary append is one record `<id>:<filler>;` (ids and fillers never hold `:` or `;`). A
-JSON append is one message `{"id":"<id>","f":"<filler>"}` or an array of them (a batch: one
-request, several messages). Ids are `<worker>.<n>`, unique in a run; fillers are seed-derived
+JSON append is one message or an array of them (a batch: one request, several messages), each a
+State Protocol change (seed 001) that also names itself: `{"id":"<id>","f":"<filler>","type":
+"row","key":"k<n>","value":"<id>","headers":{"operation":"upsert"}}` (or a `delete` without a
+value), so compaction can fold JSON streams and the model can judge the snapshots it appends:
+a snapshot's `insert` of a key carries the id of the change that set it. Ids are `<worker>.<n>`, unique in a run; fillers are seed-derived
 letters of seed-derived length, so segments rotate by size as well as by count.
 
 Positions: streamkeep's offset tokens count stored bytes. A byte stream stores the body as sent; a
@@ -37,8 +40,44 @@ def text_record(record_id: str, fill: str) -> bytes:
     return f"{record_id}:{fill};".encode()
 
 
-def json_message(record_id: str, fill: str) -> bytes:
-    return canonical({"id": record_id, "f": fill})
+STATE_TYPE = "row"
+STATE_KEYS = 6  # few keys: the state stays small, so history soon outgrows it and compaction runs
+
+
+def json_message(record_id: str, fill: str, key: str = "k0", delete: bool = False) -> bytes:
+    message: dict[str, object] = {"id": record_id, "f": fill, "type": STATE_TYPE, "key": key}
+    if delete:
+        message["headers"] = {"operation": "delete"}
+    else:
+        message["value"] = record_id
+        message["headers"] = {"operation": "upsert"}
+    return canonical(message)
+
+
+def state_change(value: object) -> tuple[str, str | None] | None:
+    """(key, the id it now holds or None for a delete) of a change message of ours, else None."""
+    if not isinstance(value, dict) or value.get("type") != STATE_TYPE:
+        return None
+    headers = value.get("headers")
+    key = value.get("key")
+    if not isinstance(headers, dict) or not isinstance(key, str):
+        return None
+    operation = headers.get("operation")
+    if operation == "delete":
+        return key, None
+    if operation in ("insert", "update", "upsert") and isinstance(value.get("value"), str):
+        return key, value["value"]
+    return None
+
+
+def snapshot_control(value: object) -> tuple[str, str] | None:
+    """("snapshot-start" | "snapshot-end", its offset) of a snapshot boundary, else None."""
+    if not isinstance(value, dict) or set(value) != {"headers"} or not isinstance(value["headers"], dict):
+        return None
+    control, offset = value["headers"].get("control"), value["headers"].get("offset")
+    if control in ("snapshot-start", "snapshot-end") and isinstance(offset, str):
+        return control, offset
+    return None
 
 
 @dataclass(frozen=True)
@@ -49,6 +88,7 @@ class Unit:
     position: int
     length: int
     record_id: str | None
+    value: object = None  # a JSON unit's decoded message
 
 
 def parse_text(data: bytes, base: int = 0) -> tuple[list[Unit], int]:
@@ -87,7 +127,7 @@ def parse_json_units(data: bytes, base: int = 0) -> tuple[list[Unit], int]:
         record_id = value.get("id") if isinstance(value, dict) and isinstance(value.get("id"), str) else None
         if len(stored) != size:
             record_id = None  # not in canonical form: the server did not store it as we count
-        units.append(Unit(base + position, size, record_id))
+        units.append(Unit(base + position, size, record_id, value))
         position += size
         at = end
     return units, 0

@@ -49,6 +49,7 @@ from urllib.parse import urlencode
 
 import trio
 
+from ops.torture import retention as torture_retention
 from ops.torture import simthreads
 from ops.torture.checker import Checker, Summary
 from ops.torture.history import AMBIGUOUS, Call, History, Outcome, classify, keep_headers, to_bytes, to_text
@@ -59,6 +60,7 @@ from ops.torture.sims3 import SimS3, SimS3Error
 from ops.torture.transport import SseParser
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.background import supervised
+from streamkeep.compaction import Compactor
 from streamkeep.protocol.model import Headers, Request
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage import files
@@ -66,6 +68,7 @@ from streamkeep.storage.archiver import Archiver
 from streamkeep.storage.base import ByteBudget
 from streamkeep.storage.coldstore import ColdConfig
 from streamkeep.storage.disk import DiskStorage
+from streamkeep.storage.retention import Retention, RetentionRule
 
 ROOT = Path("/data")
 OP_TIMEOUT = 120.0  # mock seconds; an operation taking longer is a hang, and a finding
@@ -86,6 +89,7 @@ class SimConfig:
     power_cuts: bool | None = None  # None: only under --fsync always (see the module's docstring)
     real_time_limit: float = 0.0  # seconds; 0: max(60, ops / 50), ten times any seed's run
     cold: bool = True
+    retention: bool = True  # retention rules and compaction (ops/torture/retention.py)
     segment_max_bytes: int = 4096
     segment_max_messages: int = 6
     segment_max_age: float = 3.0
@@ -101,6 +105,7 @@ class SimConfig:
             f"--fsync {self.fsync} --sync-method {self.sync_method}"
             + self._power_cuts_flag()
             + ("" if self.cold else " --no-cold")
+            + ("" if self.retention else " --no-retention")
         )
 
     def _power_cuts_flag(self) -> str:
@@ -262,8 +267,10 @@ class Simulation:
         self.s3 = SimS3(determinism.rng("s3"), trace=self.trace)
         # The server's wall clock in the simulation (simthreads.deterministic: EPOCH + mock time):
         # the clients write Stream-Expires-At by it, and the model judges expiry by event times.
-        self.history = History(clock=_ticking(time.time), meta={"tier": "sim", "seed": config.seed})
-        self.checker = Checker(RunConfig(config.fsync, config.fsync_interval, config.cold))
+        self.history = History(
+            clock=_ticking(time.time), meta={"tier": "sim", "seed": config.seed, "retention": str(config.retention)}
+        )
+        self.checker = Checker(RunConfig(config.fsync, config.fsync_interval, config.cold, config.retention))
         self.view = ClientView()
         self.transport = SimTransport(self)
         self.locks = {name: trio.Lock() for name in all_names()}
@@ -355,6 +362,17 @@ class Simulation:
             ),
         )
         service.nursery = nursery
+        if config.retention:
+            # As streamkeep/http/server.py wires them, with the rules both tiers share.
+            service.compactor = Compactor(supervisor, nursery)
+            retention = Retention(
+                storage,
+                [RetentionRule(**rule) for rule in torture_retention.rules(config.segment_max_bytes)],
+                interval=1.0,
+                notify=lambda name: [listener(name) for listener in list(supervisor.listeners)],
+                compact=service.compactor.start_due,
+            )
+            nursery.start_soon(supervised, "retention", retention.run, retention.health)
         nursery.start_soon(supervised, "TTL sweep", service.sweep_expired, service.health)
         return World(storage, service)
 
@@ -680,6 +698,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--power-cuts", action="store_true", help="also under --fsync interval|never (see above)"
     )
     parser.add_argument("--no-cold", action="store_true")
+    parser.add_argument("--no-retention", action="store_true", help="no retention rules, no compaction")
     parser.add_argument(
         "--trace", metavar="TEXT", help="print the file system and S3 calls that mention TEXT"
     )
@@ -694,6 +713,7 @@ def config_from(args: argparse.Namespace, seed: int) -> SimConfig:
         sync_method=args.sync_method,
         power_cuts=args.power_cuts or (not args.no_power_cuts and args.fsync == "always"),
         cold=not args.no_cold,
+        retention=not args.no_retention,
     )
 
 

@@ -288,7 +288,13 @@ def record_for(ctx: GenContext, content_type: str, batch: int = 1) -> tuple[str,
     """A fresh self-identifying body: (key, request body, stored bytes, record ids)."""
     ids = [ctx.view.next_id(ctx.worker) for _ in range(batch)]
     if is_json(content_type):
-        messages = [payloads.json_message(i, payloads.filler(ctx.rng)) for i in ids]
+        rng = ctx.rng
+        messages = [
+            payloads.json_message(
+                i, payloads.filler(rng), f"k{rng.randrange(payloads.STATE_KEYS)}", delete=rng.random() < 0.1
+            )
+            for i in ids
+        ]
         body = messages[0] if batch == 1 and ctx.rng.random() < 0.5 else b"[" + b",".join(messages) + b"]"
         return ids[0], body, b"".join(messages), ids
     body = payloads.text_record(ids[0], payloads.filler(ctx.rng))

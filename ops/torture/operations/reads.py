@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ops.torture import payloads
+from ops.torture import contract, payloads
 from ops.torture.history import Call, Chunk, OpEnded, OpStarted, Outcome, to_bytes
 from ops.torture.model import Incarnation, Model, parse_token
 from ops.torture.operations.base import (
@@ -105,6 +105,8 @@ class _Read(Operation):
                 allowed |= self.ok_statuses()
                 if requested is not None and requested[0] not in {i.number for i in s.inc.chain()}:
                     allowed.update((400, 410))  # a token of an earlier incarnation
+                elif requested is not None and model.config.retention:
+                    allowed.add(410)  # below the floor (judged in judge_gone)
                 if requested is not None and requested[1] > s.inc.last_tail:
                     allowed.add(400)
         if "If-None-Match" in started.call.headers:
@@ -114,6 +116,8 @@ class _Read(Operation):
             model.narrow(name, started.time, ended.time, lambda s: s.inc is None)
         if outcome.status == 410 and requested is None:
             model.narrow(name, started.time, ended.time, lambda s: s.soft)
+        if outcome.status == 410 and requested is not None:
+            judge_gone(model, started, ended, states, requested[1], started.op)
         chunks = self.chunks(model, started, ended)
         if outcome.status == 204:
             found = header_token(model, started, ended, states)
@@ -149,7 +153,9 @@ class _Read(Operation):
     def judge_chunks(self, model, started, ended, states, requested, offset, chunks) -> None:  # type: ignore[no-untyped-def]
         name = started.name or ""
         inc: Incarnation | None = None
-        position: int | None = requested[1] if requested else (0 if offset == "-1" else None)
+        # From -1 a read starts at the floor, which retention moves: then its first chunk says where.
+        from_start = offset == "-1"
+        position: int | None = requested[1] if requested else (0 if from_start and not model.config.retention else None)
         since = started.time
         for chunk in chunks:
             token = parse_token(chunk.next_offset)
@@ -214,6 +220,11 @@ class _Read(Operation):
                 [started.id],
             )
             if end - start == len(data):
+                if from_start and model.config.retention:
+                    model.floor_seen(inc, start, started, ended, f"{started.op} from -1")
+                    if started.params.get("final"):
+                        inc.final_floor = start
+                    from_start = False
                 model.observe(inc, start, data, started.id)
             if (chunk.up_to_date or chunk.closed) and started.params.get("final"):
                 inc.final_read = (end, started.id)  # the end-of-run read that reached the tail
@@ -320,3 +331,27 @@ class VanishRead(_Read):
         if started.call.query.get("live") == "sse":
             return outcome.chunks
         return [] if outcome.partial else super().chunks(model, started, ended)
+
+
+def judge_gone(
+    model: Model, started: OpStarted, ended: OpEnded, states: set, position: int, what: str
+) -> Incarnation | None:
+    """A 410 for a position of a live stream's own incarnation: retention's `offset_before_floor`,
+    naming in `Stream-Earliest-Offset` a floor above the position asked for."""
+    outcome = ended.outcome
+    if not model.config.retention or contract.error_code(outcome.body) != "offset_before_floor":
+        return None
+    earliest = outcome.headers.get("stream-earliest-offset")
+    inc = model.inc_of_token(started.name or "", earliest, states, started.id)
+    if inc is None:
+        return None
+    floor = parse_token(earliest)[1]  # type: ignore[index]
+    model.check(
+        "gone-below-floor",
+        position < floor,
+        "gone-above-floor",
+        f"{what} {inc.label()}: 410 offset_before_floor for position {position}, with the floor at {floor}",
+        [started.id],
+    )
+    model.floor_seen(inc, floor, started, ended, f"{what} 410")
+    return inc

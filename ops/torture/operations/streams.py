@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ops.torture import contract
 from ops.torture.history import AMBIGUOUS, OK, Call, OpEnded, OpStarted, Outcome, to_text
 from ops.torture.model import ABSENT, Incarnation, Model, SentAppend, State, parse_token
 from ops.torture.operations.base import (
@@ -253,7 +254,18 @@ class Fork(Operation):
                     allowed.add(400)  # the sub-offset may pass the end of the append there
                 if offset is not None and offset[0] not in {i.number for i in src.inc.chain()}:
                     allowed.update((400, 410))  # a token of an earlier incarnation
+                elif offset is not None and model.config.retention:
+                    allowed.add(410)  # a fork point below the source's floor
         expect_status(model, started, ended, allowed, source_states | target_states)
+        if outcome.status == 410 and offset is not None and model.config.retention:
+            code = contract.error_code(outcome.body)
+            model.check(
+                "fork-410-code",
+                code in ("offset_before_floor", "offset_of_deleted_stream") or not code,
+                "fork-410",
+                f"fork {name}: 410 with code {code!r}",
+                [started.id],
+            )
         sources = [s.inc for s in source_states if s.inc is not None and not s.soft]
         if offset is not None:
             named = [i for i in sources if offset[0] in {c.number for c in i.chain()}]
@@ -767,6 +779,9 @@ class Head(Operation):
             [started.id],
         )
         model.tail_floor(inc, tail, started, ended, "HEAD")
+        earliest = parse_token(outcome.headers.get("stream-earliest-offset"))
+        if earliest is not None and earliest[0] == inc.number:
+            model.floor_seen(inc, earliest[1], started, ended, "HEAD")
         judge_closed_report(model, started, ended, states, inc, tail, closed_flag(outcome))
         model.narrow(name, started.time, ended.time, lambda s: s.inc is inc)
 
