@@ -381,7 +381,7 @@ class Service:
         if up_to_date is None:
             up_to_date = view.at_tail
         closed_at_end = meta.closed and up_to_date
-        tag = responses.etag(meta, start, view.next_position, closed_at_end)
+        tag = responses.etag(meta, start, view.next_position, closed_at_end, view.start if start == "-1" else 0)
         headers = [
             ("Content-Type", meta.content_type),
             ("Stream-Next-Offset", offsets.encode(view.next_position, meta.incarnation)),

@@ -365,3 +365,21 @@ async def test_a_compacted_json_stream_keeps_its_floor_against_age_and_size() ->
         json_log, text_log = storage.open("j"), storage.open("t")
         assert json_log is not None and json_log.floor == 0
         assert text_log is not None and text_log.floor > 0
+
+
+async def test_a_read_from_the_start_changes_its_etag_when_the_floor_moves() -> None:
+    """Same tail, other bytes: a client revalidating a read from -1 must not get 304 for what
+    retention has since dropped (nor a HEAD's validator stay the same)."""
+    fs = new_fs()
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        await append_all(service, "s", 20)
+        before = await call(service, "GET", "s", query="offset=-1")
+        head_before = (await call(service, "HEAD", "s")).header("ETag")
+        await retention(storage, max_bytes=30).pass_once()
+        after = await call(service, "GET", "s", query="offset=-1", headers=[("If-None-Match", before.header("ETag"))])
+        assert after.status == 200 and after.body != before.body
+        assert after.header("ETag") != before.header("ETag")
+        assert (await call(service, "HEAD", "s")).header("ETag") != head_before
+        again = await call(service, "GET", "s", query="offset=-1", headers=[("If-None-Match", after.header("ETag"))])
+        assert again.status == 304

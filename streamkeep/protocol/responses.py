@@ -35,8 +35,11 @@ def error(err: ProtocolError) -> Response:
     return Response(err.status, [("Content-Type", "application/json"), *err.headers], body)
 
 
-def etag(meta: StreamMeta, start: Offset | str, end: int, closed_at_end: bool) -> str:
+def etag(meta: StreamMeta, start: Offset | str, end: int, closed_at_end: bool, floor: int = 0) -> str:
     start_token = start if isinstance(start, str) else encode(start.position, meta.incarnation)
+    if start == "-1" and floor:
+        # From -1 a read starts at the floor: once retention moves it, the same tail is other bytes.
+        start_token = f"-1@{encode(floor, meta.incarnation)}"
     suffix = ":c" if closed_at_end else ""
     return f'"{meta.stream_id}:{start_token}:{encode(end, meta.incarnation)}{suffix}"'
 
@@ -67,7 +70,7 @@ def head(meta: StreamMeta, tail: int, floor: int = 0) -> Response:
     # server drop old data). Its name is ours; clients that do not know it ignore it.
     headers.append(("Stream-Earliest-Offset", encode(floor, meta.incarnation)))
     headers.append(("Cache-Control", NO_STORE))
-    headers.append(("ETag", etag(meta, "-1", tail, meta.closed)))
+    headers.append(("ETag", etag(meta, "-1", tail, meta.closed, floor)))
     if meta.ttl_seconds is not None:
         headers.append(("Stream-TTL", str(meta.ttl_seconds)))
     if meta.expires_at is not None:
