@@ -337,26 +337,32 @@ class Service:
         return await self._catch_up(name, start if start is not None else "-1", request)
 
     async def _read_view(self, name: str, start: Offset | str, *, touch: bool = True) -> ReadView:
-        plan = await self.supervisor.call(name, "read", start, touch)
-        view = plan.view
-        if plan.start >= view.tail:
-            return ReadView(view, plan.start, [], view.tail, plan.changed)
-        # Published bytes never change, so they are read here, outside the actor.
-        try:
-            result = await forks.read_range(
-                self.supervisor.storage,
-                plan.log,
-                plan.start,
-                self.options.read_chunk_bytes,
-                whole_messages=view.meta.json_mode,
-            )
-        except RetainedAway:
-            # Dropped under the read (maybe in a fork's source): where this stream can resume.
-            floor = forks.readable_from(self.supervisor.storage, plan.log)
-            raise below_floor(floor, view.meta.incarnation) from None
-        except STORAGE_ERRORS as error:
-            raise as_protocol_error(error, name) from None
-        return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)
+        # A read from -1 whose bytes retention drops under it starts again at the new floor (it
+        # asked for the earliest data, not for an offset): the floor only rises, so this ends.
+        for attempt in range(8):
+            plan = await self.supervisor.call(name, "read", start, touch)
+            view = plan.view
+            if plan.start >= view.tail:
+                return ReadView(view, plan.start, [], view.tail, plan.changed)
+            # Published bytes never change, so they are read here, outside the actor.
+            try:
+                result = await forks.read_range(
+                    self.supervisor.storage,
+                    plan.log,
+                    plan.start,
+                    self.options.read_chunk_bytes,
+                    whole_messages=view.meta.json_mode,
+                )
+            except RetainedAway:
+                if start == "-1" and attempt < 7:
+                    continue
+                # Dropped under the read (maybe in a fork's source): where this stream can resume.
+                floor = forks.readable_from(self.supervisor.storage, plan.log)
+                raise below_floor(floor, view.meta.incarnation) from None
+            except STORAGE_ERRORS as error:
+                raise as_protocol_error(error, name) from None
+            return ReadView(view, plan.start, result.messages, result.next_position, plan.changed)
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     async def _catch_up(self, name: str, start: Offset | str, request: Request) -> Response:
         view = await self._read_view(name, start)

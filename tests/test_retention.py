@@ -383,3 +383,27 @@ async def test_a_read_from_the_start_changes_its_etag_when_the_floor_moves() -> 
         assert (await call(service, "HEAD", "s")).header("ETag") != head_before
         again = await call(service, "GET", "s", query="offset=-1", headers=[("If-None-Match", after.header("ETag"))])
         assert again.status == 304
+
+
+async def test_a_read_from_the_start_that_retention_overtakes_starts_again_at_the_floor() -> None:
+    """Found by the torture run with retention (sim seed 1185): a read from -1 whose segment was
+    dropped between planning and reading answered 410 telling the client to read from -1. It
+    reads again from the new floor."""
+    holder: dict[str, Any] = {}
+
+    async def steered(fn: Any, *args: Any, limiter: Any = None) -> Any:
+        if getattr(fn, "__name__", "") == "pread_exact" and holder.pop("armed", False):
+            await holder["retention"].pass_once()  # the floor moves and the segment goes, mid-read
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+    fs = new_fs()
+    async with server(fs, cache_bytes=0, run_sync=steered, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        await append_all(service, "s", 20)
+        holder["retention"] = retention(storage, max_bytes=30)
+        holder["armed"] = True
+        answer = await call(service, "GET", "s", query="offset=-1")
+        stream_log = storage.open("s")
+        assert stream_log is not None and stream_log.floor > 0 and "armed" not in holder
+        assert answer.status == 200, answer.body
+        assert answer.body.startswith(f"m{stream_log.floor // 5:03d};".encode())
