@@ -188,6 +188,9 @@ class Links:
                 snapped = wake.snapshot.get(path)
                 same = snapped is not None and snapped.stream_id == link.stream_id
                 tail = snapped.position if same and snapped is not None else link.acked
+                # A cursor that retention moved up since the wake (to a floor past the wake's
+                # tail) has nothing of the wake pending: its tail is not behind its ack.
+                tail = max(tail, link.acked)
                 item["tail_offset"] = offsets.encode(tail, link.incarnation)
                 item["has_pending"] = tail > link.acked
             items.append(item)
