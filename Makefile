@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
-	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools h2load venv clean \
+	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools browser-tools h2load venv clean \
 	torture
 
 venv: $(VENV_STAMP)
@@ -39,13 +39,18 @@ lint: $(VENV_STAMP)
 
 # The unit tests need Node packages too: the State Protocol's reference materializer
 # (@durable-streams/state, conformance/materialize.mjs) judges compaction.
-unit: $(VENV_STAMP) $(NPM_STAMP) system-tools
+unit: $(VENV_STAMP) $(NPM_STAMP) system-tools browser-tools
 	$(PY) -m pytest -q
 
 # The fault tests mount a small tmpfs and an ext4 loop image (as root, as CI runs): mkfs.ext4
 # comes from Debian's e2fsprogs.
 system-tools:
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v mkfs.ext4 >/dev/null || { apt-get update -qq && apt-get install -y -qq e2fsprogs; }
+
+# The stream browser's tests (tests/test_ui_browser.py) drive the page in headless Chromium through
+# Selenium: Debian's chromium and the chromedriver built for it.
+browser-tools:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
 
 conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth
 

@@ -552,6 +552,15 @@ SETTINGS: tuple[Setting, ...] = (
         flag="--quota-burst",
     ),
     Setting(
+        "registry",
+        "enabled",
+        boolean,
+        True,
+        "keep __registry__, a JSON stream listing every stream (State Protocol inserts and deletes, "
+        "as upstream's test-ui reads it); --no-registry turns it off and frees the name",
+        flag="--no-registry",
+    ),
+    Setting(
         "retention",
         "max_age",
         duration,
@@ -575,6 +584,15 @@ SETTINGS: tuple[Setting, ...] = (
         30.0,
         "seconds between retention passes",
         flag="--retention-interval",
+    ),
+    Setting(
+        "ui",
+        "enabled",
+        boolean,
+        True,
+        "serve the stream browser at /ui/ (its files are public; what it shows needs the same "
+        "tokens as the API); --no-ui turns it off",
+        flag="--no-ui",
     ),
     Setting(
         "metrics",

@@ -36,11 +36,18 @@ METRICS = "metrics"
 STATS = "stats"
 COMPACT = "compact"  # POST /v1/compact/<name>: compaction of a State Protocol stream (admin)
 COMPACT_PREFIX = "/v1/compact/"
+# The stream browser's files (public: the same for everyone, no data) and the JSON admin API it
+# reads (streamkeep/admin.py): the list is filtered by the caller's read grants, one stream needs read.
+UI = "ui"
+UI_PREFIX = "/ui/"
+ADMIN_STREAMS = "admin_streams"  # GET /v1/admin/streams
+ADMIN_STREAM = "admin_stream"  # GET /v1/admin/streams/<name>
+ADMIN_PREFIX = "/v1/admin/streams"
 OTHER = "other"
 
 # The permission each stream operation needs on its stream (a fork also needs read on its source).
 NEEDS = {CREATE: "write", FORK: "write", APPEND: "append", CLOSE: "write", READ: "read", LIVE_READ: "read",
-         HEAD: "read", DELETE: "write", COMPACT: "admin"}
+         HEAD: "read", DELETE: "write", COMPACT: "admin", ADMIN_STREAM: "read"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +92,13 @@ def classify(request: Request) -> Route:
     if path.startswith(COMPACT_PREFIX) and method == "POST":
         return Route(COMPACT, parse_stream_name(STREAM_PREFIX + path[len(COMPACT_PREFIX) :]))
     if method in ("GET", "HEAD"):
+        if path == "/ui" or path.startswith(UI_PREFIX):
+            return Route(UI)
+        if path == ADMIN_PREFIX:
+            return Route(ADMIN_STREAMS)
+        if path.startswith(ADMIN_PREFIX + "/"):
+            rest = path[len(ADMIN_PREFIX) + 1 :]
+            return Route(ADMIN_STREAM, parse_stream_name(STREAM_PREFIX + rest))
         if path == "/healthz":
             return Route(HEALTH)
         if path == "/readyz":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import trio
 
-from streamkeep import routes
+from streamkeep import admin, routes
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth.errors import AuthError
 from streamkeep.auth.gate import Gate, auth_response
@@ -32,10 +32,13 @@ from streamkeep.protocol.model import Framed, PushTarget, Request, Response, Tal
 from streamkeep.protocol.names import STREAM_PREFIX
 from streamkeep.protocol.offsets import Offset
 from streamkeep.protocol.stream import AppendSpec, CreateSpec
+from streamkeep.registry import entries as registry_entries
+from streamkeep.registry.keeper import RegistryKeeper
 from streamkeep.storage import forks
 from streamkeep.storage.errors import STORAGE_ERRORS, RetainedAway, as_protocol_error, below_floor
 from streamkeep.subscriptions.manager import SubscriptionManager
 from streamkeep.telemetry.requests import RequestStats
+from streamkeep.ui import UiFiles
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,10 @@ class Service:
         self.appends = 0  # acknowledged appends (a producer's duplicate counts: it was answered)
         self.appended_bytes = 0
         self.subscriptions: SubscriptionManager | None = None
+        # The keeper of `__registry__` (None: --no-registry, the name is then an ordinary stream).
+        self.registry: RegistryKeeper | None = None
+        # The stream browser's files at /ui/ (None: off, 404), set up by the server.
+        self.ui: UiFiles | None = None
         self._live: dict[tuple[str, int], LiveStream] = {}
         # Where live fan-out runs its push loops; without one, subscribers wake and send themselves.
         self.nursery: trio.Nursery | None = None
@@ -152,6 +159,10 @@ class Service:
                 ProtocolError(500, "internal_error", "the server failed this request; it has been logged")
             )
         response.headers.extend(self.cors.headers(request.headers))
+        if kind != routes.UI or self.ui is None:
+            # Only the UI's own files may run script in this origin: a stream of text/html or
+            # image/svg+xml opened directly renders in an opaque origin, away from the UI's token.
+            response.headers.append(responses.SANDBOX)
         if self.gate is not None:
             response.headers.append(("Vary", "Authorization"))
         if self.request_stats is not None:
@@ -210,6 +221,8 @@ class Service:
         if name is not None:
             if self.not_ready is not None:
                 raise not_ready(self.not_ready)
+            if self.registry is not None:
+                registry_entries.refuse_writes(route)  # only the server writes `__registry__`
             if kind == routes.APPEND or kind == routes.CLOSE:
                 return await self._append(name, request)
             if kind == routes.READ or kind == routes.LIVE_READ:
@@ -224,6 +237,8 @@ class Service:
                 return Response(204)
             if kind == routes.COMPACT:
                 return self._compact(name, request)
+            if kind == routes.ADMIN_STREAM:
+                return admin.stream(self, name, request.principal)
         if kind == routes.PREFLIGHT:
             return responses.preflight()
         if kind == routes.HEALTH:
@@ -238,6 +253,12 @@ class Service:
             )
         if kind == routes.STATS:
             return self._stats()
+        if kind == routes.ADMIN_STREAMS:
+            if self.not_ready is not None:
+                raise not_ready(self.not_ready)
+            return admin.streams(self, request)
+        if kind == routes.UI and self.ui is not None:
+            return self.ui.serve(request)
         if kind == routes.SUBSCRIPTION:
             if self.not_ready is not None:
                 raise not_ready(self.not_ready)
@@ -275,6 +296,13 @@ class Service:
             [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
             json.dumps(body).encode(),
         )
+
+    def live_readers_by_stream(self) -> Counter[str]:
+        """Live readers (long-poll, SSE) now, by stream name, for the admin API."""
+        counts: Counter[str] = Counter()
+        for (name, _), live in self._live.items():
+            counts[name] += live.readers
+        return counts
 
     def stats(self) -> dict[str, object]:
         storage = self.supervisor.storage

@@ -73,6 +73,21 @@ class PendingAppend:
         return self.outcome
 
 
+class Lifecycle(Protocol):
+    """Told of every stream created or deleted once it happened in storage (the registry keeps
+    its list by it: streamkeep/registry/keeper.py). The actor awaits it before answering, so a
+    client whose PUT was answered finds the stream listed. It must not raise, nor call the
+    stream's actor back."""
+
+    async def created(self, meta: StreamMeta) -> None: ...
+
+    async def deleted(self, name: str) -> None: ...
+
+    def unsure(self) -> None:
+        """A create or delete failed but may have happened (it is not durably known)."""
+        ...
+
+
 class ActorHost(Protocol):
     """What an actor needs from whoever runs it (the Supervisor): its storage, its mailbox size,
     the listeners of stream changes, a way to leave, and calls to other streams' actors."""
@@ -80,6 +95,7 @@ class ActorHost(Protocol):
     storage: Storage
     mailbox_size: int
     listeners: list[Callable[[str], None]]
+    lifecycle: Lifecycle | None
 
     def forget(self, actor: StreamActor) -> None: ...
 
@@ -165,6 +181,10 @@ class StreamActor:
             except Exception:  # a listener's bug must not fail the stream's own operation
                 log.exception("stream %r: a change listener failed", self.name)
 
+    async def _tell_deleted(self) -> None:
+        if self._supervisor.lifecycle is not None:
+            await self._supervisor.lifecycle.deleted(self.name)
+
     def _view(self, stream_log: StreamLog) -> StreamView:
         meta = rules.copy_meta(stream_log.meta)
         meta.closed = stream_log.published_closed
@@ -194,8 +214,10 @@ class StreamActor:
                     stream_log.meta.soft_deleted = False
                     raise
                 self._notify()
+                await self._tell_deleted()
                 raise
             self._notify()
+            await self._tell_deleted()  # gone for clients: forks only read what it held
             return
         await self._hard_delete(stream_log)
 
@@ -209,6 +231,7 @@ class StreamActor:
             uncertain = error  # it is deleted, if not durably: the rest of a delete still follows
         stream_log.on_publish = None
         self._notify()
+        await self._tell_deleted()
         source = stream_log.meta.forked_from
         if source is not None:
             # Sources never call their forks, so this call up the chain cannot deadlock.
@@ -258,9 +281,13 @@ class StreamActor:
         except StorageUnavailable as error:
             if error.happened:  # created, if not durably: listeners hear of it all the same
                 self._notify()
+                if self._supervisor.lifecycle is not None:
+                    self._supervisor.lifecycle.unsure()
             raise
         created.on_publish = self._notify
         self._notify()
+        if self._supervisor.lifecycle is not None:
+            await self._supervisor.lifecycle.created(created.meta)
         return 201, self._view(created)
 
     async def _create(self, meta: StreamMeta, messages: list[bytes]) -> StreamLog:

@@ -9,7 +9,7 @@ from typing import Any
 import trio
 
 from streamkeep.actors.mailbox import ActorGone
-from streamkeep.actors.stream_actor import LiveReaderMark, StreamActor
+from streamkeep.actors.stream_actor import Lifecycle, LiveReaderMark, StreamActor
 from streamkeep.protocol.errors import not_found
 from streamkeep.storage.base import Storage
 
@@ -35,6 +35,9 @@ class Supervisor:
         # Told the name of every stream that published data, was created or deleted
         # (subscriptions link and wake on it). Called synchronously: listeners must not block.
         self.listeners: list[Callable[[str], None]] = []
+        # Told of creates and deletes, and awaited by the actor before it answers (the registry,
+        # streamkeep/registry/keeper.py); None when nothing keeps a list.
+        self.lifecycle: Lifecycle | None = None
 
     @property
     def active(self) -> int:

@@ -22,14 +22,18 @@ from streamkeep.auth.jwks import JwksSource
 from streamkeep.auth.links import LinkKeys
 from streamkeep.auth.links import verify as verify_link
 from streamkeep.auth.quotas import Quotas
+from streamkeep.auth.scopes import Grants
 from streamkeep.auth.tokens import Principal, TokenVerifier, UnknownKey
 from streamkeep.protocol.model import Request, Response
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
+from streamkeep.registry.entries import NAME as REGISTRY
 from streamkeep.subscriptions.config import CONTROL_PREFIX, WAKE_ACTIONS
 
 REALM = 'Bearer realm="streamkeep"'
 _WAKE_ENDPOINTS = tuple(f"/{action}" for action in WAKE_ACTIONS)
 _READ_METHODS = ("GET", "HEAD")
+# Which grants allow an action on the registry, named exactly (globs never reach it, see below).
+_REGISTRY_GRANTS = {"read": ("read", "write", "read_names"), "append": ("append", "write"), "write": ("write",)}
 # Writes the append quota counts: appends, closes, and creates and forks (which may carry a body).
 _CHARGED = frozenset((routes.APPEND, routes.CLOSE, routes.CREATE, routes.FORK))
 
@@ -41,6 +45,10 @@ def is_public(request: Request) -> bool:
     if method == "OPTIONS":
         return True
     if path in ("/healthz", "/readyz"):
+        return method in _READ_METHODS
+    if path == "/ui" or path.startswith(routes.UI_PREFIX):
+        # The stream browser's own files: the same for everyone and holding no data (a browser
+        # opening /ui/ sends no token); what the page shows comes from APIs behind the gate.
         return method in _READ_METHODS
     if path.startswith(CONTROL_PREFIX):
         rest = path[len(CONTROL_PREFIX) :]
@@ -132,6 +140,15 @@ class Gate:
             self.refusals[error.reason] += 1
             raise
 
+    def allows(self, principal: Principal | None, route: routes.Route, request: Request) -> bool:
+        """`authorize` as a question, counting no refusal: the admin API lists only the streams
+        its caller could read, by the very rule a read would meet."""
+        try:
+            self._authorize(principal, route, request)
+        except AuthError:
+            return False
+        return True
+
     def _authorize(self, principal: Principal | None, route: routes.Route, request: Request) -> None:
         kind = route.kind
         if principal is None:
@@ -141,6 +158,8 @@ class Gate:
             needed = routes.NEEDS[kind]
             if not grants.allows(needed, route.name):
                 raise forbidden(f"this token does not grant {needed} on {route.name!r}")
+            if route.name == REGISTRY and not _names_registry(grants, needed):
+                raise forbidden(f"{REGISTRY} lists every stream: it needs {needed}:{REGISTRY} itself or admin, not a glob")
             if route.fork_source is not None and not grants.allows("read", route.fork_source):
                 raise forbidden(f"a fork needs read on its source {route.fork_source!r}")
             if kind in _CHARGED and self.quotas is not None:
@@ -170,6 +189,14 @@ class Gate:
         if self.quotas is not None:
             out["quotas"] = self.quotas.stats()
         return out
+
+
+def _names_registry(grants: Grants, needed: str) -> bool:
+    """Whether `grants` name the registry literally. It lists the names of every stream, so a
+    glob (`read:**`, `read:*`) does not reach it: a token for `read:team-a/**` must not learn the
+    other teams' stream names, and even `read:**` reads streams it can name, which is not the
+    same as listing them all. `read:__registry__` (or a signed link to it) or admin do."""
+    return grants.admin or any(REGISTRY in getattr(grants, kind) for kind in _REGISTRY_GRANTS.get(needed, ()))
 
 
 def auth_response(error: AuthError) -> Response:

@@ -27,6 +27,7 @@ from streamkeep.http.edge import EdgeLimits
 from streamkeep.http.lean import serve_lean
 from streamkeep.http.metrics_port import MetricsEndpoint
 from streamkeep.readiness import Readiness
+from streamkeep.registry import keeper as registry_keeper
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage import files, migrate
 from streamkeep.storage.archiver import Archiver
@@ -41,6 +42,7 @@ from streamkeep.telemetry import prometheus
 from streamkeep.telemetry.accesslog import AccessLog
 from streamkeep.telemetry.prometheus import Sources
 from streamkeep.telemetry.requests import RequestStats
+from streamkeep.ui import UiFiles, exposure_warning
 
 log = logging.getLogger("streamkeep")
 
@@ -170,6 +172,8 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
         data_dir = storage.root if isinstance(storage, DiskStorage) else None
         gate = auth_setup.build_gate(settings, data_dir)
         service.gate = gate
+        if settings.ui.enabled:
+            service.ui = UiFiles()
         access_log = None
         if settings.log.access_log:
             access_log = AccessLog(
@@ -265,11 +269,24 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
         if isinstance(storage, DiskStorage):
             service.compactor = Compactor(service.supervisor, nursery)
             service.stats_sources["compaction"] = service.compactor.stats
-        if isinstance(storage, DiskStorage) and settings.retention.rules:
+        if settings.registry.enabled:
+            # Before streams are served: it lists what recovery found (a crash may have come
+            # between a create or delete and its entry), or stops the server over a stream it
+            # cannot adopt (RegistryConflict).
+            registry = registry_keeper.RegistryKeeper(service.supervisor)
+            service.supervisor.lifecycle = registry
+            await registry.start()
+            service.registry = registry
+            service.stats_sources["registry"] = registry.stats
+            nursery.start_soon(supervised, "registry", registry.run, registry.health)
+        rules = [RetentionRule(**rule) for rule in settings.retention.rules]
+        if settings.registry.enabled and isinstance(storage, DiskStorage):
+            rules.insert(0, registry_keeper.RETENTION_RULE)  # first: no user rule may drop its entries
+        if isinstance(storage, DiskStorage) and rules:
             supervisor = service.supervisor
             retention = Retention(
                 storage,
-                [RetentionRule(**rule) for rule in settings.retention.rules],
+                rules,
                 interval=settings.retention.interval,
                 notify=lambda name: [listener(name) for listener in list(supervisor.listeners)],
                 compact=service.compactor.start_due,
@@ -304,6 +321,11 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             auth_setup.describe(gate),
             "off" if metrics_page is None else f"port {settings.metrics.port}" if settings.metrics.port else "/metrics",
         )
+        if service.ui is not None:
+            log.info("stream browser at %s/ui/", binds[0])
+            warning = exposure_warning(settings.server.host, ui_on=True, auth_on=gate is not None)
+            if warning is not None:
+                log.warning("%s", warning)
 
 
 def run(settings: SimpleNamespace) -> None:

@@ -13,6 +13,10 @@ from streamkeep.protocol.offsets import Offset, encode
 from streamkeep.protocol.stream import StreamMeta
 
 NO_STORE = "no-store"
+# On every response but the stream browser's own files: a document the browser renders from a
+# stream (text/html, image/svg+xml opened directly) gets an opaque origin and runs no script, so
+# it can reach neither the UI's token nor the API as the UI's origin. fetch() ignores it.
+SANDBOX = ("Content-Security-Policy", "sandbox")
 CORS_ALLOW_METHODS = "GET, POST, PUT, DELETE, HEAD, OPTIONS"
 CORS_ALLOW_HEADERS = (
     "Content-Type, Authorization, If-None-Match, Stream-Seq, Stream-TTL, Stream-Expires-At, "

@@ -14,6 +14,11 @@ Every record's CRC is checked; a damaged sealed segment fails the job naming the
 S3 access goes through boto3 inside the reader: `s3a://` needs hadoop-aws jars the pyspark wheel
 does not ship.
 
+Spark's Python workers must import this module (so streamkeep and cbor2) and numpy and pyarrow:
+`register()` picks their interpreter in local mode and checks them (spark_setup.py, README.md
+"Spark over the archive" for clusters). `pip install 'streamkeep[spark]'` brings the Spark half's
+dependencies; the server never imports this module.
+
 Retention: a data directory is read from each stream's floor on, as the HTTP API shows it
 (`floor.cbor`, docs/segment-format.md "Retention"). Segments that end at or before the floor are
 skipped, local file or bucket object, even while they are still there (a fork pins them, a drop is
@@ -45,7 +50,8 @@ from typing import Any
 
 from streamkeep.protocol import offsets
 from streamkeep.segments import format as fmt
-from streamkeep.segments import layout
+from streamkeep.segments import layout, spark_setup
+from streamkeep.segments.spark_setup import SparkSetupError
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +387,13 @@ class SegmentPartition(InputPartition):  # type: ignore[misc,valid-type]
         self.segment = segment
 
 
+class ProbePartition(InputPartition):  # type: ignore[misc,valid-type]
+    """register()'s check: its task imports what reading a segment needs, and reads nothing."""
+
+    def __init__(self) -> None:
+        self.probe = True
+
+
 def _missing(error: Exception) -> bool:
     """A file or object that is not there (any more)."""
     if isinstance(error, FileNotFoundError):
@@ -418,8 +431,19 @@ def _segment_bytes(path: str, options: dict[str, str], segment: Segment) -> byte
         raise
 
 
+def _reading_dependencies() -> None:
+    """register()'s check, in a worker: it unpickled this module to get here (so streamkeep and
+    cbor2 import), but numpy and pyarrow are imported only when a segment is decoded; fail on them
+    now, not mid-job."""
+    import numpy  # noqa: F401
+    import pyarrow  # noqa: F401
+
+
 def read_partition(path: str, options: dict[str, str], partition: Any) -> Iterator[Any]:
     """The Arrow batch of one segment (local file or object), CRCs checked."""
+    if isinstance(partition, ProbePartition):
+        _reading_dependencies()
+        return
     segment = getattr(partition, "segment", None)
     if segment is None:
         return  # nothing was planned: Spark still calls read() once, with a bare InputPartition
@@ -442,7 +466,9 @@ class StreamkeepReader(DataSourceReader):  # type: ignore[misc,valid-type]
         self.path = self.options.get("path") or ""
         fail_on_data_loss(self.options)  # a bad value fails now, not at the first loss
 
-    def partitions(self) -> list[SegmentPartition]:
+    def partitions(self) -> list[SegmentPartition] | list[ProbePartition]:
+        if _option(self.options, spark_setup.PROBE_OPTION):
+            return [ProbePartition()]
         return [SegmentPartition(segment) for segment in plan_segments(self.path, self.options)]
 
     def read(self, partition: SegmentPartition) -> Iterator[Any]:
@@ -604,6 +630,8 @@ class StreamkeepDataSource(DataSource):  # type: ignore[misc,valid-type]
         return "streamkeep"
 
     def schema(self) -> str:
+        if _option(self.options, spark_setup.PROBE_OPTION):
+            _reading_dependencies()  # runs in the driver's planner worker, at load()
         return SCHEMA
 
     def reader(self, schema: Any) -> StreamkeepReader:
@@ -613,14 +641,29 @@ class StreamkeepDataSource(DataSource):  # type: ignore[misc,valid-type]
         return StreamkeepStreamReader(self.options)
 
 
-def register(spark: Any) -> None:
-    """Makes `spark.read.format("streamkeep")` available in this session."""
-    spark.dataSource.register(StreamkeepDataSource)
+def register(spark: Any, *, check: bool = True) -> None:
+    """Makes `spark.read.format("streamkeep")` and `spark.readStream.format("streamkeep")`
+    available in this session.
+
+    Spark runs the source in Python workers that must import streamkeep and cbor2. In local mode
+    with neither PYSPARK_PYTHON nor spark.pyspark.python set, the source's workers run this
+    interpreter (`sys.executable`) rather than Spark's default `python3` from PATH; the session's
+    own UDFs keep Spark's choice. With `check` (the default) a tiny read through the source runs
+    once per application and interpreter (about a second, most of it starting the worker the first
+    real read would start anyway) and a worker that cannot load it raises SparkSetupError, whose
+    one-line message says what to set; `check=False` skips it (a cluster whose workers are known
+    good, or a test that wants the raw failure).
+    """
+    python = spark_setup.worker_python(spark_setup.context(spark))
+    spark_setup.register_with(spark, StreamkeepDataSource, python)
+    if check:
+        spark_setup.check(spark, python)
 
 
 __all__ = [
     "SCHEMA",
     "DataLossError",
+    "SparkSetupError",
     "StreamkeepDataSource",
     "fail_on_data_loss",
     "plan_segments",

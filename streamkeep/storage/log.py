@@ -193,6 +193,18 @@ class DiskLog:
         """The first position whose bytes this stream still holds (its own, not a source's)."""
         return self.segments[0].start if self.segments else self.floor
 
+    @property
+    def record_count(self) -> int:
+        """Append records published in this stream since recovery found it (those below the floor
+        it found excluded): the admin API's `appends`, whose rate the stream browser charts."""
+        return self.index.dropped + len(self.index)
+
+    def tier_bytes(self) -> dict[str, int]:
+        """This stream's segment bytes by tier, as `DiskStorage.tier_bytes` counts them all."""
+        hot = sum(segment.size for segment in self.segments if segment.local)
+        cold = sum(segment.size for segment in self.segments if not segment.local)
+        return {"hot": hot, "cold": cold}
+
     def adopt_durable_state(self, last_append_ms: int | None) -> None:
         """After loading: the accepted state starts equal to the durable one."""
         if last_append_ms is not None:

@@ -38,6 +38,14 @@ class MemoryLog:
 
     pending = 0
 
+    @property
+    def record_count(self) -> int:
+        """Appends that added messages (the admin API's `appends`)."""
+        return len(self._append_ends)
+
+    def tier_bytes(self) -> dict[str, int]:
+        return {"hot": self.tail - self._base, "cold": 0}
+
     def next_append_end(self, position: int) -> int | None:
         index = bisect_right(self._append_ends, position)
         return self._append_ends[index] if index < len(self._append_ends) else None

@@ -15,6 +15,9 @@ from pathlib import Path
 import trio
 
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.auth.tokens import Principal
+from streamkeep.protocol import offsets
+from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
 from streamkeep.subscriptions.api import ControlApi
 from streamkeep.subscriptions.config import CONTROL_PREFIX
@@ -96,6 +99,39 @@ class SubscriptionManager:
             if not self._listener_failed:
                 self._listener_failed = True
                 log.exception("subscriptions: noticing a change of %r failed", path)
+
+    def linked_to(self, path: str, principal: Principal | None) -> list[dict]:
+        """The subscriptions following `path` that `principal` may see (the control API's rule:
+        with auth on, an owner's own and every one for admins), each with its cursor on `path`.
+        Read-only, for the admin API: links not yet absorbed show as of their last change."""
+        tail = self.supervisor.storage.open(path)
+        out = []
+        for sub in sorted(self.subs.values(), key=lambda sub: sub.id):
+            link = sub.links.get(path)
+            if link is None or sub.deleted:
+                continue
+            try:
+                self.api._check_owner(principal, sub.id)  # the one rule, as the control API applies it
+            except ProtocolError:
+                continue
+            pending = None
+            if tail is not None and tail.meta.stream_id == link.stream_id:
+                pending = max(0, tail.published_tail - link.acked)
+            out.append(
+                {
+                    "id": sub.id,
+                    "type": sub.config.type,
+                    "pattern": sub.config.pattern,
+                    "status": sub.status,
+                    "link_type": "explicit" if link.explicit else "glob",
+                    "acked_offset": offsets.encode(link.acked, link.incarnation),
+                    "pending_bytes": pending,
+                    "skipped_bytes": link.skipped,
+                    "generation": sub.generation,
+                    "wake_in_flight": sub.wake is not None,
+                }
+            )
+        return out
 
     def stats(self) -> dict:
         faults = self.faults

@@ -1,0 +1,101 @@
+"""What `__registry__` holds and who may touch it: pure functions, no I/O.
+
+Each entry is a State Protocol change message (seed 001) in exactly the shape the upstream
+reference server's `registry-hook` appends and its `examples/test-ui` folds with
+`createStreamDB` (type `stream`, primary key `path`):
+
+    {"type":"stream","key":"chat/room-1","value":{"path":"chat/room-1","contentType":"text/plain","createdAt":1767225600000},"headers":{"operation":"insert"}}
+    {"type":"stream","key":"chat/room-1","headers":{"operation":"delete"}}
+
+`key` and `path` are the decoded stream name, without `/v1/stream/` (the name scopes, subscription
+patterns and /stats use); `createdAt` is milliseconds since the epoch. A delete carries no
+`value`: upstream's `delete({key})` leaves `old_value` undefined, which JSON.stringify drops. The
+encoding is the one compaction's snapshot uses (protocol/state_fold.py), so a snapshot's inserts
+are byte for byte what the server appended.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from streamkeep import routes
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.headers import is_json
+from streamkeep.protocol.state_fold import StateFold
+from streamkeep.protocol.stream import StreamMeta
+
+NAME = "__registry__"
+CONTENT_TYPE = "application/json"
+TYPE = "stream"  # the State Protocol `type` of every entry
+
+# Requests that would change the registry; only the server writes it.
+_WRITES = frozenset((routes.CREATE, routes.FORK, routes.APPEND, routes.CLOSE, routes.DELETE))
+
+
+def value(meta: StreamMeta) -> dict[str, Any]:
+    """An entry's value for a live stream (a fork lists the content type it took from its source)."""
+    return {"path": meta.name, "contentType": meta.content_type, "createdAt": int(meta.created_at * 1000)}
+
+
+def insert(name: str, entry: dict[str, Any]) -> bytes:
+    return _encode({"type": TYPE, "key": name, "value": entry, "headers": {"operation": "insert"}})
+
+
+def delete(name: str) -> bytes:
+    return _encode({"type": TYPE, "key": name, "headers": {"operation": "delete"}})
+
+
+def listed(fold: StateFold) -> dict[str, Any]:
+    """The streams a folded registry lists, by name, with their values. Entries of other types (an
+    adopted stream may hold some) are left alone: they describe no stream."""
+    return {key: entry for (kind, key), entry in fold.state.items() if kind == TYPE}
+
+
+def changes(listed_now: dict[str, Any], live: dict[str, dict[str, Any]]) -> list[bytes]:
+    """The messages that make a registry listing `listed_now` list exactly `live`: a delete per
+    stream gone, an insert per stream missing or listed with another value (a stream deleted and
+    created again while the server was down)."""
+    messages = [delete(name) for name in sorted(listed_now) if name not in live]
+    messages += [insert(name, entry) for name, entry in sorted(live.items()) if listed_now.get(name) != entry]
+    return messages
+
+
+def unadoptable(meta: StreamMeta) -> str | None:
+    """Why a stream already named `__registry__` (made by a client before this version, or while
+    the registry was off) cannot serve as the registry, or None if it can. It is adopted when it
+    could have been ours: JSON, open, without TTL or expiry (it must never expire), not a fork."""
+    if not is_json(meta.content_type):
+        return f"its content type is {meta.content_type!r}, not application/json"
+    if meta.closed:
+        return "it is closed, so nothing more can be appended to it"
+    if meta.ttl_seconds is not None or meta.expires_at_ts is not None:
+        return "it has a TTL or an expiry time, and the registry must never expire"
+    if meta.forked_from is not None:
+        return f"it is a fork of {meta.forked_from!r}"
+    if meta.soft_deleted:
+        return "it was deleted while forks still read it"
+    return None
+
+
+def refuse_writes(route: routes.Route) -> None:
+    """403 for a client's create, append, close, fork or delete of the registry, and for a fork of
+    it (a fork would pin its history, which compaction keeps bounded). 403 rather than 409: no
+    state of the stream or credential would make the request acceptable (RFC 9110 §15.5.4)."""
+    if route.name == NAME and route.kind in _WRITES:
+        raise ProtocolError(
+            403,
+            "reserved_stream",
+            f"{NAME} is the server's list of streams: clients may read it, but only the server "
+            "creates, appends to and deletes it (a server started with --no-registry leaves the name free)",
+        )
+    if route.fork_source == NAME:
+        raise ProtocolError(
+            403,
+            "reserved_stream",
+            f"{NAME} cannot be forked: a fork would keep its whole history, which the server compacts away",
+        )
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()

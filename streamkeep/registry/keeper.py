@@ -1,0 +1,217 @@
+"""Keeps `__registry__` listing exactly the live streams (entries.py has what it holds).
+
+The stream actors tell the keeper of every create and delete (including a TTL expiry, a
+soft-delete and the delete of a fork) once it happened in storage, and await it: the entry is
+appended to the registry through the registry's own actor before the PUT or DELETE is answered.
+Appends of concurrent creates share a commit round like any appends; a lock only orders deciding
+and submitting, so entries of one name land in the order their changes happened.
+
+Two things can leave the registry and the streams apart: a crash after a change and before its
+entry (or before an entry's sync, under a relaxed fsync policy), and an entry whose write failed
+(a full disk). Both are healed by `reconcile`, which folds the registry as it is on disk, compares
+it with the streams storage holds, and appends the difference: at every start, before any stream
+is served, and in the background after a failed write. A create or delete is never failed
+because of its entry: it happened, and the repair catches up.
+
+The registry is a State Protocol stream, so it is bounded like one: `RETENTION_RULE` compacts it
+(a snapshot of the live set, then the floor moves there and the segments below go).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from streamkeep.actors.stream_actor import PendingAppend, fold_range
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.health import Health
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.state_fold import StateFold
+from streamkeep.protocol.stream import AppendSpec, CreateSpec, StreamMeta
+from streamkeep.registry import entries
+from streamkeep.registry.entries import CONTENT_TYPE, NAME
+from streamkeep.storage import forks
+from streamkeep.storage.base import StreamLog
+from streamkeep.storage.directory import FormatError
+from streamkeep.storage.retention import RetentionRule
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 1 << 20
+# Compacted once the history since its last snapshot is 4x the snapshot and at least 256 KiB
+# (~2,000 creates and deletes): a snapshot re-sends every entry to live readers, so not much more
+# often; the floor then moves to the snapshot and retention drops what is below it.
+RETENTION_RULE = RetentionRule(NAME, compact="state", compact_ratio=4.0, compact_min_bytes=256 << 10)
+
+
+class RegistryConflict(FormatError):
+    """The data directory holds a stream named `__registry__` that cannot be the registry. A
+    FormatError: like a data directory this version cannot open, the server stops at start and
+    says why (cli.py prints it)."""
+
+
+class RegistryKeeper:
+    def __init__(self, supervisor: Supervisor, *, clock: Callable[[], float] = time.time) -> None:
+        self.supervisor = supervisor
+        self.storage = supervisor.storage
+        self.clock = clock
+        # What the registry lists, by name: what reconcile folded, plus the entries appended since.
+        self.listed: dict[str, dict[str, Any]] = {}
+        self.health = Health()
+        self._lock = trio.Lock()
+        self._repair = trio.Event()
+        self.inserts = 0
+        self.deletes = 0
+        self.repairs = 0  # reconciliations that appended something
+
+    # ---- start and repair ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Before streams are served: creates the registry, or adopts a stream already so named,
+        and makes it list what storage holds. Raises RegistryConflict for a stream that cannot be
+        adopted; any other failure is left to the background repair."""
+        existing = self.storage.open(NAME)
+        if existing is not None:
+            reason = entries.unadoptable(existing.meta)
+            if reason is not None:
+                raise _conflict(reason)
+        try:
+            await self.reconcile()
+        except RegistryConflict:
+            raise
+        except Exception as error:  # a failing disk: serve anyway, the repair retries
+            self._failed(error)
+
+    async def run(self) -> None:
+        """Reconciles again after a failed entry; under `supervised`, which backs off if it fails."""
+        while True:
+            await self._repair.wait()
+            self._repair = trio.Event()
+            try:
+                await self.reconcile()
+            except BaseException:
+                self._repair.set()  # still owed: the restarted loop tries again
+                raise
+            self.health.ok("registry")
+
+    async def reconcile(self) -> None:
+        """Appends what makes the registry list exactly the live streams in storage."""
+        async with self._lock:  # no entry is decided meanwhile: none can slip between fold and diff
+            stream_log = await self._open()
+            await stream_log.latest_commit().settled()  # entries in flight are on disk, or failed
+            fold = StateFold()
+            try:
+                floor = forks.readable_from(self.storage, stream_log)
+                await fold_range(self.storage, stream_log, fold, floor, stream_log.published_tail, READ_CHUNK)
+            except ProtocolError as error:
+                if error.code == "not_state_message":  # only an adopted stream can hold one
+                    raise _conflict(f"it holds a message that is not a State Protocol one ({error.message})") from None
+                raise
+            listed = entries.listed(fold)
+            live = self._live()
+            messages = entries.changes(listed, live)
+            if messages:
+                pending = await self._submit(messages)
+                await pending.wait()
+                self.repairs += 1
+                log.info(
+                    "registry: %d entries appended to list the %d streams in storage",
+                    len(messages),
+                    len(live),
+                )
+            self.listed = live  # what it lists now, the difference appended
+
+    # ---- told by the stream actors ------------------------------------------------------
+
+    async def created(self, meta: StreamMeta) -> None:
+        if meta.name != NAME:  # the registry does not list itself (and its creation holds the lock)
+            await self._change(meta.name, entries.value(meta))
+
+    async def deleted(self, name: str) -> None:
+        if name != NAME:
+            await self._change(name, None)
+
+    def unsure(self) -> None:
+        """A create or delete failed in a way that may have happened: reconcile to find out."""
+        self._repair.set()
+
+    async def _change(self, name: str, entry: dict[str, Any] | None) -> None:
+        """Appends an insert (`entry`) or a delete (None) of `name` unless the registry already
+        says so (a reconcile may have got there first; a soft-deleted stream is deleted twice).
+        Never raises: the stream's own change happened, and a failed entry is repaired later."""
+        try:
+            async with self._lock:
+                if self.listed.get(name) == entry:
+                    return
+                message = entries.delete(name) if entry is None else entries.insert(name, entry)
+                pending = await self._submit([message])
+                if entry is None:
+                    self.listed.pop(name, None)
+                    self.deletes += 1
+                else:
+                    self.listed[name] = entry
+                    self.inserts += 1
+            await pending.wait()  # outside the lock: entries of concurrent changes share a sync
+        except Exception as error:
+            self._failed(error)
+        else:
+            self.health.ok("registry")
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    async def _open(self) -> StreamLog:
+        stream_log = self.storage.open(NAME)
+        if stream_log is None:
+            spec = CreateSpec(CONTENT_TYPE, None, None, False, [])
+            await self.supervisor.call(NAME, "create", spec, must_exist=False)
+            stream_log = self.storage.open(NAME)
+            if stream_log is None:
+                raise ProtocolError(503, "registry_unavailable", f"{NAME} could not be created")
+        return stream_log
+
+    async def _submit(self, messages: list[bytes]) -> PendingAppend:
+        """Sequences one append of `messages` in the registry's actor; its commit is the caller's
+        to wait for."""
+        body = b"[" + b",".join(messages) + b"]"
+        return await self.supervisor.call(NAME, "append", AppendSpec(CONTENT_TYPE, body, False, None, None))
+
+    def _live(self) -> dict[str, dict[str, Any]]:
+        """The entries of the streams clients can use now: not soft-deleted, not past their TTL
+        or expiry (the sweep is about to delete those, and their entry would only go then)."""
+        now = self.clock()
+        live = {}
+        for name in self.storage.names():
+            stream_log = self.storage.open(name)
+            if name == NAME or stream_log is None or getattr(stream_log, "deleted", False):
+                continue
+            meta = stream_log.meta
+            if not meta.soft_deleted and not meta.expired(now):
+                live[name] = entries.value(meta)
+        return live
+
+    def _failed(self, error: Exception) -> None:
+        message = error.message if isinstance(error, ProtocolError) else repr(error)
+        bug = None if isinstance(error, ProtocolError) else error
+        self.health.failed("registry", f"{message}; it will be reconciled", traceback=bug)
+        self._repair.set()
+
+    def stats(self) -> dict:
+        return {
+            "streams_listed": len(self.listed),
+            "inserts": self.inserts,
+            "deletes": self.deletes,
+            "repairs": self.repairs,
+            **self.health.stats(),
+        }
+
+
+def _conflict(reason: str) -> RegistryConflict:
+    return RegistryConflict(
+        f"the data directory holds a stream named {NAME!r} that cannot serve as the stream registry: "
+        f"{reason}. Start once with --no-registry (the name is then an ordinary stream), copy what you "
+        f"need from it and DELETE /v1/stream/{NAME}; or keep it and run with --no-registry"
+    )
