@@ -579,3 +579,37 @@ def json_history(snapshot_value: str) -> Script:
 def test_a_snapshot_is_judged_against_the_changes_before_it() -> None:
     assert json_history("w0.3").check(RETENTION) == []
     assert "snapshot-wrong" in json_history("w0.1").check(RETENTION)  # an older value of k0
+
+
+# ---- the registry (issue 14) ------------------------------------------------------------------
+
+
+def registry_read(s: Script, entries: list[dict]) -> None:
+    headers = {"stream-next-offset": tok(C, 100), "content-type": "application/json", "stream-up-to-date": "true"}
+    call = Call("GET", "/v1/stream/__registry__", query={"offset": "-1"})
+    s.op("registry_read", "__registry__", call, Outcome(200, headers, json.dumps(entries)), {"offset": "-1", "final": True})
+
+
+def entry(name: str, operation: str = "insert") -> dict:
+    message: dict = {"type": "stream", "key": name, "headers": {"operation": operation}}
+    if operation != "delete":
+        message["value"] = {"path": name, "contentType": "text/plain", "createdAt": 1}
+    return message
+
+
+def test_the_registry_must_list_exactly_the_live_streams() -> None:
+    def history() -> Script:
+        s = three_appends()  # txt/0 lives
+        s.create("txt/1", B)
+        s.delete("txt/1")  # txt/1 is gone
+        return s
+
+    s = history()
+    registry_read(s, [entry("txt/0"), entry("txt/1"), entry("txt/1", "delete")])
+    assert s.check() == []
+    s = history()
+    registry_read(s, [entry("txt/0"), entry("txt/1")])  # the delete never made it
+    assert "registry" in s.check()
+    s = history()
+    registry_read(s, [entry("txt/1"), entry("txt/1", "delete")])  # the live one is missing
+    assert "registry" in s.check()

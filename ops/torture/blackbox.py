@@ -42,6 +42,7 @@ from ops.torture.history import Call, History, OpStarted, Outcome
 from ops.torture.model import RunConfig
 from ops.torture.operations import REGISTRY, ClientView, GenContext, Planned, all_names
 from ops.torture.operations.base import SUB_HOOK, SUB_PULL, SUBS, WAKE_STREAM
+from ops.torture.operations.registry import REGISTRY_STREAM
 from ops.torture.operations.subscriptions import sub_config
 from ops.torture.rig import CREDENTIALS, S3, Disk, Server, WebhookReceiver
 from ops.torture.transport import HttpTransport
@@ -447,6 +448,7 @@ class Run:
                 head = Planned("head", name, {}, Call("HEAD", f"/v1/stream/{name}"))
                 self.execute(transport, "final", head, ctx)
                 self.read_all(transport, name, ctx)
+            self.read_all(transport, REGISTRY_STREAM, ctx, op="registry_read")
             for sub_id in (SUB_PULL, SUB_HOOK):
                 self.execute(
                     transport,
@@ -459,7 +461,7 @@ class Run:
             self.stop.set()
             probe.join(10)
 
-    def read_all(self, transport: HttpTransport, name: str, ctx: GenContext) -> None:
+    def read_all(self, transport: HttpTransport, name: str, ctx: GenContext, op: str = "read") -> None:
         """Reads a stream from its start to its tail (the final read the checker judges the
         whole run by), waiting out a server restart or a cold tier catching up, a little."""
         offset, down, unavailable = "-1", 0, 0
@@ -468,7 +470,7 @@ class Run:
                 return
             call = Call("GET", f"/v1/stream/{name}", query={"offset": offset})
             params = {"offset": offset, "final": True}
-            outcome = self.execute(transport, "final", Planned("read", name, params, call), ctx)
+            outcome = self.execute(transport, "final", Planned(op, name, params, call), ctx)
             if outcome.status is None and down < 5:
                 down += 1
                 self.up.wait(30)  # the probe notices an exit and starts the server again

@@ -399,6 +399,8 @@ class Model:
         self._finding_keys: set[tuple[str, str]] = set()
         self.occurrences: Counter[str] = Counter()
         self.recent_down = 0  # failed health probes not yet explained by a fault
+        # Whole-run checks operation families add (the registry's), run by `finish` last.
+        self.finishers: dict[str, Callable[[Model], None]] = {}
 
     # ---- findings ------------------------------------------------------------------------
 
@@ -1070,7 +1072,12 @@ class Model:
 
     def finish(self) -> None:
         """Checks that need the whole history: acknowledged appends present in content read to
-        the end, and stored order against real time."""
+        the end, and stored order against real time; then the families' own (`finishers`)."""
+        self._finish_content()
+        for finisher in self.finishers.values():
+            finisher(self)
+
+    def _finish_content(self) -> None:
         for inc in self.all_incs:
             if inc.foreign:
                 continue

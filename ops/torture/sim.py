@@ -55,6 +55,7 @@ from ops.torture.checker import Checker, Summary
 from ops.torture.history import AMBIGUOUS, Call, History, Outcome, classify, keep_headers, to_bytes, to_text
 from ops.torture.model import Finding, RunConfig
 from ops.torture.operations import REGISTRY, ClientView, GenContext, Planned, all_names
+from ops.torture.operations.registry import REGISTRY_STREAM
 from ops.torture.simfs import FaultPlan, SimFileSystem
 from ops.torture.sims3 import SimS3, SimS3Error
 from ops.torture.transport import SseParser
@@ -62,6 +63,7 @@ from streamkeep.actors.supervisor import Supervisor
 from streamkeep.background import supervised
 from streamkeep.compaction import Compactor
 from streamkeep.protocol.model import Headers, Request
+from streamkeep.registry.keeper import RETENTION_RULE, RegistryKeeper
 from streamkeep.service import Service, ServiceOptions
 from streamkeep.storage import files
 from streamkeep.storage.archiver import Archiver
@@ -362,12 +364,20 @@ class Simulation:
             ),
         )
         service.nursery = nursery
+        # `__registry__`, on as in a served process (streamkeep/http/server.py wires it so).
+        registry = RegistryKeeper(supervisor)
+        supervisor.lifecycle = service.registry = registry
+        await registry.start()
+        nursery.start_soon(supervised, "registry", registry.run, registry.health)
         if config.retention:
             # As streamkeep/http/server.py wires them, with the rules both tiers share.
             service.compactor = Compactor(supervisor, nursery)
             retention = Retention(
                 storage,
-                [RetentionRule(**rule) for rule in torture_retention.rules(config.segment_max_bytes)],
+                [
+                    RETENTION_RULE,
+                    *(RetentionRule(**rule) for rule in torture_retention.rules(config.segment_max_bytes)),
+                ],
                 interval=1.0,
                 notify=lambda name: [listener(name) for listener in list(supervisor.listeners)],
                 compact=service.compactor.start_due,
@@ -559,6 +569,7 @@ class Simulation:
                     "final", Planned("head", name, {}, Call("HEAD", f"/v1/stream/{name}")), ctx
                 )
                 await self._read_all(name, ctx)
+            await self._read_all(REGISTRY_STREAM, ctx, op="registry_read")
             leaked = {
                 fd: path for fd, path in self.fs.open_fds().items() if path.startswith(str(ROOT / "trash"))
             }
@@ -572,12 +583,12 @@ class Simulation:
         self._event(self.history.fault("term"))
         self.world = None
 
-    async def _read_all(self, name: str, ctx: GenContext) -> None:
+    async def _read_all(self, name: str, ctx: GenContext, op: str = "read") -> None:
         offset = "-1"
         for _ in range(10_000):
             call = Call("GET", f"/v1/stream/{name}", query={"offset": offset})
             outcome = await self.execute(
-                "final", Planned("read", name, {"offset": offset, "final": True}, call), ctx
+                "final", Planned(op, name, {"offset": offset, "final": True}, call), ctx
             )
             if outcome.status != 200:
                 return

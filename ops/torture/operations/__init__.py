@@ -32,7 +32,7 @@ A tier drives it like this (ops/torture/blackbox.py is one driver):
     checker.finish(); checker.summary()
 """
 
-from ops.torture.operations import probes, reads, streams, subscriptions
+from ops.torture.operations import probes, reads, registry, streams, subscriptions
 from ops.torture.operations.base import REGISTRY, ClientView, GenContext, Operation, Planned, all_names
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "all_names",
     "probes",
     "reads",
+    "registry",
     "streams",
     "subscriptions",
 ]
