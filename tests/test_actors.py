@@ -121,3 +121,38 @@ async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ig
         view = await supervisor.call("s", "head")
         assert view.tail == 20
         nursery.cancel_scope.cancel()
+
+
+async def test_a_caller_that_must_finish_is_answered_when_the_actor_stops() -> None:
+    """Found by the torture run (sim seed 2462): at shutdown a fork's shielded delete called its
+    source's actor, which was cancelled before it took the message; the delete waited forever and
+    the server never stopped. Messages an actor will not take, or is cancelled in, are answered."""
+    answers: list[object] = []
+    outer = trio.CancelScope()
+
+    async def shielded_call(supervisor: Supervisor, name: str, handler: str, *args: object) -> None:
+        with trio.CancelScope(shield=True):
+            try:
+                answers.append(await supervisor.call(name, handler, *args))
+            except ProtocolError as error:
+                answers.append(error.code)
+
+    with outer:
+        async with trio.open_nursery() as nursery:
+            supervisor = Supervisor(new_storage(), nursery)
+            await supervisor.call("s", "create", create_spec(), must_exist=False)
+            actor = supervisor.actor("s", must_exist=True)
+            entered, release = trio.Event(), trio.Event()
+
+            async def slow() -> str:  # holds the actor busy, so the next message waits in its mailbox
+                entered.set()
+                await release.wait()
+                return "done"
+
+            actor.slow = slow  # type: ignore[attr-defined]
+            nursery.start_soon(shielded_call, supervisor, "s", "slow")
+            await entered.wait()
+            nursery.start_soon(shielded_call, supervisor, "s", "head")
+            await trio.testing.wait_all_tasks_blocked()
+            outer.cancel()
+    assert sorted(map(str, answers)) == ["shutting_down", "shutting_down"]

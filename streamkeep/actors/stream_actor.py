@@ -127,7 +127,7 @@ class StreamActor:
     async def run(self) -> None:
         # No timeout per message: the supervisor's sweep decides hibernation. A deadline per
         # message cost ~10 % of an append once 10,000 actors kept trio's deadline heap busy.
-        async with self._receive:
+        try:
             async for message in self._receive:
                 self.busy = True
                 try:
@@ -135,6 +135,20 @@ class StreamActor:
                 finally:
                     self.busy = False
                     self.last_active = trio.current_time()
+        finally:
+            # Cancelled (the server stops): whoever waits on a message this actor will never
+            # take is answered, or a caller that must finish (a shielded delete calling its
+            # fork source) would wait forever and hold up the shutdown (torture sim seed 2462).
+            self._answer_pending()
+            self._receive.close()
+
+    def _answer_pending(self) -> None:
+        while True:
+            try:
+                message = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            message.reply.fail(_stopping(self.name))
 
     def hibernate_if_idle(self, idle_since: float) -> bool:
         """Ends the actor if it has been idle since `idle_since` and nothing needs it; the
@@ -157,6 +171,9 @@ class StreamActor:
         except Exception as error:  # a bug: answer 500, keep the actor alive
             log.exception("stream %r: %s failed", self.name, message.handler.__name__)
             message.reply.fail(error)
+        except BaseException:  # cancelled mid-message: the caller hears so, never nothing
+            message.reply.fail(_stopping(self.name))
+            raise
         else:
             message.reply.set(result)
 
@@ -608,3 +625,7 @@ def _gone(name: str) -> ProtocolError:
 
 
 __all__ = ["ActorGone", "PendingAppend", "ReadPlan", "StreamActor", "StreamView"]
+
+
+def _stopping(name: str) -> ProtocolError:
+    return ProtocolError(503, "shutting_down", f"stream {name!r}: the server is stopping; retry once it is back")
