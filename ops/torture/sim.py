@@ -617,8 +617,17 @@ class _all:
         self.locks = locks
 
     async def __aenter__(self) -> None:
-        for lock in self.locks:
-            await lock.acquire()
+        taken: list[trio.Lock] = []
+        try:
+            for lock in self.locks:
+                await lock.acquire()
+                taken.append(lock)
+        except BaseException:
+            # Cancelled (the epoch ended) while waiting for a later lock: a lock kept by a task
+            # that is gone breaks every later acquire (seeds 2393, 2434).
+            for lock in reversed(taken):
+                lock.release()
+            raise
 
     async def __aexit__(self, *_: object) -> None:
         for lock in reversed(self.locks):
