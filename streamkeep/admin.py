@@ -47,17 +47,13 @@ def streams(service: Service, request: Request) -> Response:
     readers = service.live_readers_by_stream()
     now = time.time()
     names = sorted(storage.names())
-    gate = service.gate
-
-    def readable(name: str) -> bool:  # what a read of it would meet at the gate
-        return principal is None or gate is None or gate.allows(principal, routes.Route(routes.READ, name), request)
-
+    readable = _readable(service, request)
     visible = [name for name in names if (not pattern or glob_match(pattern, name)) and readable(name)]
     rows = []
     for name in visible[:limit]:
         stream_log = storage.open(name)
         if stream_log is not None:
-            rows.append(summary(storage, stream_log, readers[name], now))
+            rows.append(_hide_source(summary(storage, stream_log, readers[name], now), readable))
     body: dict[str, Any] = {"streams": rows, "total": len(visible), "truncated": len(visible) > limit}
     if principal is None or principal.grants.admin:
         body["server"] = {
@@ -70,7 +66,27 @@ def streams(service: Service, request: Request) -> Response:
     return _json(body)
 
 
-def stream(service: Service, name: str, principal: Principal | None) -> Response:
+def _readable(service: Service, request: Request) -> Any:
+    """Whether the caller could read a stream: what a read of it would meet at the gate."""
+    principal, gate = request.principal, service.gate
+
+    def readable(name: str) -> bool:
+        return principal is None or gate is None or gate.allows(principal, routes.Route(routes.READ, name), request)
+
+    return readable
+
+
+def _hide_source(row: dict[str, Any], readable: Any) -> dict[str, Any]:
+    """A fork's source is named only to a caller who may read it: the name is not theirs to learn."""
+    source = row.get("forked_from")
+    if source is not None and not readable(source):
+        row.update(forked_from=None, fork_offset=None, fork_base_offset=None)
+    return row
+
+
+def stream(service: Service, name: str, request: Request) -> Response:
+    principal: Principal | None = request.principal
+    readable = _readable(service, request)
     storage = service.supervisor.storage
     stream_log = storage.open(name)
     if stream_log is None:
@@ -92,13 +108,13 @@ def stream(service: Service, name: str, principal: Principal | None) -> Response
         forks=sorted(
             other
             for other in storage.names()
-            if (log := storage.open(other)) is not None and log.meta.forked_from == name
+            if (log := storage.open(other)) is not None and log.meta.forked_from == name and readable(other)
         ),
         segments=len(stream_log.segments) if hasattr(stream_log, "segments") else None,  # disk only
         read_only=_read_only(stream_log),
         subscriptions=[] if service.subscriptions is None else service.subscriptions.linked_to(name, principal),
     )
-    return _json(body)
+    return _json(_hide_source(body, readable))
 
 
 def summary(storage: Storage, stream_log: StreamLog, live_readers: int, now: float) -> dict[str, Any]:

@@ -238,7 +238,7 @@ class Service:
             if kind == routes.COMPACT:
                 return self._compact(name, request)
             if kind == routes.ADMIN_STREAM:
-                return admin.stream(self, name, request.principal)
+                return admin.stream(self, name, request)
         if kind == routes.PREFLIGHT:
             return responses.preflight()
         if kind == routes.HEALTH:

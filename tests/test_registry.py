@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from ops.serverproc import ServerProcess, launch, start
-from tests.conftest import segment_files
+from tests.conftest import FAST, segment_files
 from tests.test_auth import ADMIN, AUDIENCE, SECRET, bearer, token
 
 REGISTRY = "/v1/stream/__registry__"
@@ -308,3 +308,17 @@ def test_with_auth_not_even_an_admin_writes_it(auth_server: ServerProcess) -> No
             assert answer.status_code == 403 and answer.json()["error"]["code"] == "reserved_stream"
         assert client.put("/v1/stream/mine", headers={**bearer(token("write:**")), **TEXT}).status_code == 201
         assert "mine" in listed(client, bearer(token("read:__registry__")))
+
+
+def test_the_registry_cannot_be_a_wake_stream() -> None:
+    """Found by review: a pull-wake subscription appended its wake events to `__registry__`, which
+    then held messages that are not a stream list, and the server refused to start on it."""
+    server = start(*FAST)
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            assert client.put("/v1/stream/watched", headers={"Content-Type": "text/plain"}).status_code == 201
+            body = {"type": "pull-wake", "streams": ["watched"], "wake_stream": "__registry__"}
+            refused = client.put("/v1/stream/__ds/subscriptions/evil", json=body)
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "reserved_stream"
+    finally:
+        server.stop()

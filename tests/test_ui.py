@@ -98,6 +98,9 @@ def test_stream_responses_are_sandboxed(server: ServerProcess) -> None:
             assert csp(sse) == ["sandbox"]
         assert csp(client.get("/v1/admin/streams")) == ["sandbox"]
         assert csp(client.get("/stats")) == ["sandbox"]
+        # Answers the edge gives before the service sees the request (found by review).
+        too_big = client.post(name, content=b"x" * (65 << 20), headers={"Content-Type": "text/html"})
+        assert too_big.status_code == 413 and csp(too_big) == ["sandbox"]
 
 
 # ---- the admin API -------------------------------------------------------------------------
@@ -231,6 +234,18 @@ def test_with_auth_the_files_are_public_and_the_api_is_not(auth_server: ServerPr
         assert other.status_code == 403 and other.json()["error"]["code"] == "insufficient_scope"
         # 403 whether or not it exists: the API tells a reader nothing the stream API would not.
         assert client.get("/v1/admin/streams/team-b/none", headers=team).status_code == 403
+        # A fork another team made of team-a's stream is not named to team-a, nor its source to a
+        # reader of the fork alone (found by review).
+        fork = {**admin, "Stream-Forked-From": "/v1/stream/team-a/one"}
+        assert client.put("/v1/stream/team-b/fork", headers=fork).status_code == 201
+        detail = client.get("/v1/admin/streams/team-a/one", headers=team).json()
+        assert detail["forks"] == []
+        assert client.get("/v1/admin/streams/team-a/one", headers=admin).json()["forks"] == ["team-b/fork"]
+        b_only = bearer("read:team-b/**")
+        seen = client.get("/v1/admin/streams/team-b/fork", headers=b_only).json()
+        assert seen["forked_from"] is None and seen["fork_base_offset"] is None
+        listed = client.get("/v1/admin/streams", headers=b_only).json()["streams"]
+        assert [row["forked_from"] for row in listed if row["name"] == "team-b/fork"] == [None]
 
 
 def test_the_exposure_warning() -> None:

@@ -48,6 +48,7 @@ def create_app(
             response = responses.error(rejected.error)
             response.headers.append(("Connection", "close"))
             response.headers.extend(service.cors.headers(None))
+            response.headers.append(responses.SANDBOX)
             return _to_quart(response)
         raw_path = request.scope.get("raw_path")
         core = Request(

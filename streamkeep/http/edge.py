@@ -28,6 +28,7 @@ class EdgeLimits:
 def rejection(service: Service, error: ProtocolError) -> Response:
     response = responses.error(error)
     response.headers.extend(service.cors.headers(None))
+    response.headers.append(responses.SANDBOX)  # as the service sends with every answer but the UI's
     return response
 
 

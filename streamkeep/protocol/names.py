@@ -12,6 +12,8 @@ from urllib.parse import unquote
 from streamkeep.protocol.errors import ProtocolError, bad_request
 
 STREAM_PREFIX = "/v1/stream/"
+# The stream the server keeps its list of streams in (streamkeep/registry/): no client writes it.
+REGISTRY_STREAM = "__registry__"
 RESERVED_SEGMENT = "__ds"
 MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255

@@ -22,10 +22,11 @@ from typing import Any
 from streamkeep import routes
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.headers import is_json
+from streamkeep.protocol.names import REGISTRY_STREAM
 from streamkeep.protocol.state_fold import StateFold
 from streamkeep.protocol.stream import StreamMeta
 
-NAME = "__registry__"
+NAME = REGISTRY_STREAM
 CONTENT_TYPE = "application/json"
 TYPE = "stream"  # the State Protocol `type` of every entry
 

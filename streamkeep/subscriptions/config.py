@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from streamkeep.protocol.errors import ProtocolError, bad_request
-from streamkeep.protocol.names import RESERVED_SEGMENT, STREAM_PREFIX, check_stream_name
+from streamkeep.protocol.names import REGISTRY_STREAM, RESERVED_SEGMENT, STREAM_PREFIX, check_stream_name
 from streamkeep.subscriptions.globs import Glob, compile_glob, glob_match
 
 CONTROL_PREFIX = f"{STREAM_PREFIX}{RESERVED_SEGMENT}/"  # where the control API lives (§6)
@@ -129,6 +129,12 @@ def normalize_streams(value: object) -> tuple[str, ...]:
 
 
 def refuse_wake_stream(wake_stream: str | None, streams: Iterable[str]) -> None:
+    if wake_stream == REGISTRY_STREAM:
+        # Wake events in it would make it no longer a State Protocol stream of streams: its
+        # readers' fold breaks, and the server would refuse it at the next start (found by review).
+        raise ProtocolError(
+            403, "reserved_stream", f"{REGISTRY_STREAM} is the server's list of streams: it cannot be a wake stream"
+        )
     if wake_stream is not None and wake_stream in streams:
         raise bad_request(
             "INVALID_SUBSCRIPTION",

@@ -23,7 +23,7 @@ from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers
 from streamkeep.protocol.stream import AppendSpec
-from streamkeep.subscriptions.config import CONTROL_PREFIX
+from streamkeep.subscriptions.config import CONTROL_PREFIX, refuse_wake_stream
 from streamkeep.subscriptions.faults import Faults, backoff
 from streamkeep.subscriptions.links import Links
 from streamkeep.subscriptions.signing import Keys
@@ -158,6 +158,7 @@ class Delivery:
         }
         wake_stream = sub.config.wake_stream or ""
         try:
+            refuse_wake_stream(wake_stream, ())  # one saved before the name was reserved
             spec = AppendSpec.from_request(
                 Headers([("Content-Type", "application/json")]), json.dumps(event).encode()
             )
