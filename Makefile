@@ -74,8 +74,8 @@ conformance-quart: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance --edge quart --storage disk --tls-h2
 
 ## Benchmarks (not part of `make test`; they measure, they do not assert). `make bench` runs the load
-## tests beside the Node reference server plus recovery, cold-tier and Spark benchmarks (< 10 min);
-## `make bench-quick` is the load tests' short form for development (< 2 min).
+## tests beside the Node reference server and rakaia-streams (the Python peer) plus recovery, cold-tier
+## and Spark benchmarks (< 10 min); `make bench-quick` is the load tests' short form for development (< 2 min).
 BENCH_STAMP := ops/bench/node_modules/.installed
 
 # `npm install`, not `npm ci`: the lockfile lists only the platform packages of msgpackr-extract the
@@ -83,6 +83,17 @@ BENCH_STAMP := ops/bench/node_modules/.installed
 # the lockfile for everything it lists and leaves it unchanged.
 $(BENCH_STAMP): ops/bench/package.json ops/bench/package-lock.json
 	cd ops/bench && npm install --no-audit --no-fund
+	@touch $@
+
+# rakaia-streams, the Python peer the load tests run beside streamkeep and Node (on uvicorn, in memory
+# and on its fsync'd JSONL store): pinned in ops/bench/rakaia-requirements.txt, installed in a virtualenv
+# of its own so its dependencies never meet streamkeep's.
+RAKAIA_VENV := ops/bench/.venv-rakaia
+RAKAIA_STAMP := $(RAKAIA_VENV)/.installed
+
+$(RAKAIA_STAMP): ops/bench/rakaia-requirements.txt
+	$(PYTHON) -m venv $(RAKAIA_VENV)
+	$(RAKAIA_VENV)/bin/python -m pip install --quiet -r ops/bench/rakaia-requirements.txt
 	@touch $@
 
 h2load:
@@ -98,10 +109,10 @@ bench-compaction: $(VENV_STAMP)
 bench-auth: $(VENV_STAMP) h2load
 	$(PY) -m ops.bench_auth
 
-bench-quick: $(VENV_STAMP) $(BENCH_STAMP) h2load
+bench-quick: $(VENV_STAMP) $(BENCH_STAMP) $(RAKAIA_STAMP) h2load
 	$(PY) -m ops.loadtest --quick
 
-bench-load: $(VENV_STAMP) $(BENCH_STAMP) h2load
+bench-load: $(VENV_STAMP) $(BENCH_STAMP) $(RAKAIA_STAMP) h2load
 	$(PY) -m ops.loadtest
 
 ## Durable appends only, fdatasync vs syncfs group commit, beside the Node reference server.

@@ -1,13 +1,15 @@
-"""Load tests: streamkeep beside the upstream Node reference server, same machine, same run.
+"""Load tests: streamkeep beside the Node reference server and a Python peer, same machine, same run.
 
     python -m ops.loadtest [--quick] [--seconds 2] [--servers NAMES] [--scenarios NAMES] [--json FILE]
 
 Starts each server in turn as its own process on loopback (streamkeep memory and disk, the Node
-reference server in memory and file-backed, and the ceiling: streamkeep's HTTP edge with an empty
-app), runs every scenario that applies, and prints a Markdown table with ratios and the targets of
-issue 7. Load comes from h2load (appends) and from bare socket loops in other processes (producers,
-catch-up, fan-out); server CPU per request is read from /proc. `--quick` is a smaller run for
-development (under 2 minutes).
+reference server in memory and file-backed, rakaia-streams, the Python peer, on uvicorn in memory
+and on its fsync'd JSONL store, and the ceiling: streamkeep's HTTP edge with an empty app), runs
+every scenario that applies, and prints a Markdown table with ratios and the targets of issues 7 and
+15. A scenario a peer (Node, rakaia) fails is marked in its cell and explained under the table, and
+the run goes on; h2c rows say n/a for servers that do not speak it. Load comes from h2load (appends)
+and from bare socket loops in other processes (producers, catch-up, fan-out); server CPU per request
+is read from /proc. `--quick` is a smaller run for development (under 2 minutes).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from ops.loadtest import h2load, scenarios
 from ops.loadtest.scenarios import Row, Settings
-from ops.loadtest.servers import KINDS, NODE_DIR
+from ops.loadtest.servers import KINDS, NODE_DIR, RAKAIA_PYTHON
 from ops.serverproc import ServerProcess
 
 Scenario = Callable[[ServerProcess, Settings, bool], list[Row]]
@@ -46,10 +48,28 @@ SCENARIOS: dict[str, tuple[Scenario, bool, bool]] = {
     "cardinality": (scenarios.cardinality, False, False),
 }
 QUICK = ["sse", "round-trip", "throughput", "catch-up", "cardinality"]
-COLUMNS = ["streamkeep memory", "streamkeep disk", "node memory", "node file", "ceiling"]
+COLUMNS = [
+    "streamkeep memory",
+    "streamkeep disk",
+    "node memory",
+    "node file",
+    "rakaia memory",
+    "rakaia jsonl",
+    "ceiling",
+]
+# (column, ours, theirs): ours / theirs, shown when both ran.
+RATIOS = [
+    ("memory vs node memory", "streamkeep memory", "node memory"),
+    ("disk vs node file", "streamkeep disk", "node file"),
+    ("memory vs rakaia memory", "streamkeep memory", "rakaia memory"),
+    ("disk vs rakaia jsonl", "streamkeep disk", "rakaia jsonl"),
+]
 
 
-def run(names: list[str], chosen: list[str], settings: Settings) -> dict[str, list[Row]]:
+def run(
+    names: list[str], chosen: list[str], settings: Settings, notes: dict[str, dict[str, str]]
+) -> dict[str, list[Row]]:
+    """Runs `chosen` on each server; a peer's failure goes into notes[server][scenario]."""
     results: dict[str, list[Row]] = {}
     started = time.monotonic()
     for name in names:
@@ -68,7 +88,19 @@ def run(names: list[str], chosen: list[str], settings: Settings) -> dict[str, li
                     data.mkdir()
                     server = kind.launch(data)
                 print(f"[{time.monotonic() - started:5.0f} s] {name}: {scenario_name} ...", flush=True)
-                results[name] += scenario(server, settings, kind.h2c)
+                try:
+                    rows = scenario(server, settings, kind.h2c)
+                except Exception as error:
+                    if not kind.peer:
+                        raise
+                    notes.setdefault(name, {})[scenario_name] = f"failed: {error}".splitlines()[0][:200]
+                    print(f"    {name} failed {scenario_name}: {error}", flush=True)
+                    server.stop()  # it may be wedged; the next scenario gets a fresh one
+                    server = None
+                    continue
+                for row in rows:
+                    row.group = scenario_name
+                results[name] += rows
                 if fresh:
                     server.stop()
                     server = None
@@ -103,30 +135,42 @@ def ratio(a: Row | None, b: Row | None) -> str:
     return f"{a.value / b.value:.2f}x"
 
 
-def table(results: dict[str, list[Row]]) -> str:
+def table(results: dict[str, list[Row]], notes: dict[str, dict[str, str]] | None = None) -> str:
+    notes = notes or {}
     keys: list[tuple[str, str]] = []
+    groups: dict[tuple[str, str], str] = {}  # row -> the scenario that measured it
     by: dict[tuple[str, str, str], Row] = {}
     for server, rows in results.items():
         for row in rows:
             key = (row.scenario, row.protocol)
             if key not in keys:
                 keys.append(key)
+            groups[key] = row.group
             by[(server, *key)] = row
     present = [c for c in COLUMNS if c in results] + [c for c in results if c not in COLUMNS]
+    ratios = [r for r in RATIOS if r[1] in results and r[2] in results]
     lines = [
-        "| scenario | protocol | " + " | ".join(present) + " | memory vs node memory | disk vs node file |",
-        "|---" * (len(present) + 4) + "|",
+        "| scenario | protocol | " + " | ".join(present + [r[0] for r in ratios]) + " |",
+        "|---" * (len(present) + len(ratios) + 2) + "|",
     ]
+
+    def cell(server: str, scenario: str, protocol: str) -> str:
+        row = by.get((server, scenario, protocol))
+        if row is None and protocol == "h2c" and server in KINDS and not KINDS[server].h2c:
+            return "n/a"
+        if row is None and groups[(scenario, protocol)] in notes.get(server, {}):
+            return notes[server][groups[(scenario, protocol)]].split(":")[0]
+        return fmt(row)
+
     for scenario, protocol in keys:
-        cells = [fmt(by.get((c, scenario, protocol))) for c in present]
-        mem = ratio(
-            by.get(("streamkeep memory", scenario, protocol)), by.get(("node memory", scenario, protocol))
-        )
-        disk = ratio(
-            by.get(("streamkeep disk", scenario, protocol)), by.get(("node file", scenario, protocol))
-        )
-        lines.append(f"| {scenario} | {protocol} | " + " | ".join(cells) + f" | {mem} | {disk} |")
-    return "\n".join(lines)
+        cells = [cell(c, scenario, protocol) for c in present]
+        cells += [
+            ratio(by.get((ours, scenario, protocol)), by.get((theirs, scenario, protocol)))
+            for _, ours, theirs in ratios
+        ]
+        lines.append(f"| {scenario} | {protocol} | " + " | ".join(cells) + " |")
+    failures = [f"- {server}, {name}: {note}" for server, got in notes.items() for name, note in got.items()]
+    return "\n".join(lines + (["", *failures] if failures else []))
 
 
 def targets(results: dict[str, list[Row]]) -> list[str]:
@@ -170,8 +214,13 @@ def targets(results: dict[str, list[Row]]) -> list[str]:
             quotient(find("streamkeep disk", shared), find("node file", shared)),
             5,
         )
+    own = "appends/s, 16 clients, own streams"
+    check(
+        "memory appends vs rakaia memory, 16 clients own streams, h1 (issue 15)",
+        quotient(find("streamkeep memory", own), find("rakaia memory", own)),
+        1.3,
+    )
     for protocol in ("h1", "h2c"):
-        own = "appends/s, 16 clients, own streams"
         check(
             f"memory appends vs the ceiling, 16 clients own streams, {protocol}",
             quotient(find("streamkeep memory", own, protocol), find("ceiling", own, protocol)),
@@ -232,6 +281,12 @@ def main() -> int:
     if any(n.startswith("node") for n in names) and not (NODE_DIR / "node_modules").is_dir():
         print("ops/bench/node_modules is missing: run `make bench` (it runs npm ci)", file=sys.stderr)
         return 2
+    if any(n.startswith("rakaia") for n in names) and not RAKAIA_PYTHON.exists():
+        print(
+            "ops/bench/.venv-rakaia is missing: run `make bench` (it installs rakaia-streams)",
+            file=sys.stderr,
+        )
+        return 2
     unknown = [n for n in names if n not in KINDS]
     chosen = (args.scenarios or ",".join(QUICK if args.quick else SCENARIOS)).split(",")
     unknown += [n for n in chosen if n not in SCENARIOS]
@@ -245,15 +300,16 @@ def main() -> int:
             cardinalities=(10, 1000) if args.quick else (10, 1000, 10000),
             quick=args.quick,
         )
-        results = run(names, chosen, settings)
+        notes: dict[str, dict[str, str]] = {}
+        results = run(names, chosen, settings, notes)
     header = (
         f"date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.node()}, {os.cpu_count()} cores, "
         f"{platform.python_implementation()} {platform.python_version()}; command: python -m ops.loadtest "
         + " ".join(sys.argv[1:])
     )
     print("\n" + header + "\n")
-    print(table(results))
-    print("\nTargets (issue 7):")
+    print(table(results, notes))
+    print("\nTargets (issues 7 and 15):")
     print("\n".join(targets(results)))
     if args.json:
         args.json.write_text(json.dumps({k: [r.__dict__ for r in v] for k, v in results.items()}, indent=1))

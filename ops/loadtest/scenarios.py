@@ -32,6 +32,7 @@ class Row:
     unit: str
     cpu_us: float | None = None  # server CPU per request
     extra: dict[str, float] = field(default_factory=dict)
+    group: str = ""  # the scenario that measured it (ops.loadtest.__main__.SCENARIOS), set by the run
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from pathlib import Path
 from ops.serverproc import ROOT, ServerProcess, launch, start
 
 NODE_DIR = ROOT / "ops" / "bench"
+# rakaia-streams' own virtualenv (ops/bench/rakaia-requirements.txt), made by the Makefile's bench targets.
+RAKAIA_PYTHON = NODE_DIR / ".venv-rakaia" / "bin" / "python"
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,9 @@ class Kind:
     durable: bool  # fsync before acknowledging
     h2c: bool  # speaks HTTP/2 with prior knowledge
     launch: Callable[[Path], ServerProcess]
+    # Another project's server: a scenario it fails is noted in the table and the run goes on, where a
+    # failure of ours stops the run.
+    peer: bool = False
 
 
 def streamkeep_memory(_: Path) -> ServerProcess:
@@ -34,6 +39,13 @@ def node(data_dir: Path | None) -> ServerProcess:
     """The upstream reference server (@durable-streams/server) through ops/bench/node_ref_server.mjs."""
     env = {"DATA_DIR": str(data_dir)} if data_dir is not None else {"DATA_DIR": ""}
     return launch(["node", "node_ref_server.mjs"], cwd=NODE_DIR, env=env, timeout=30)
+
+
+def rakaia(data_dir: Path | None) -> ServerProcess:
+    """rakaia-streams, the Python peer, on uvicorn + uvloop + httptools (ops/bench/rakaia_server.py, run
+    by its own virtualenv's Python): in memory, or on its JSONL store with fsync per append in `data_dir`."""
+    env = {"DATA_DIR": str(data_dir) if data_dir is not None else ""}
+    return launch([str(RAKAIA_PYTHON), "rakaia_server.py"], cwd=NODE_DIR, env=env, timeout=30)
 
 
 def ceiling(_: Path) -> ServerProcess:
@@ -53,8 +65,11 @@ KINDS = {
     for kind in (
         Kind("streamkeep memory", False, True, streamkeep_memory),
         Kind("streamkeep disk", True, True, streamkeep_disk),
-        Kind("node memory", False, False, lambda _: node(None)),
-        Kind("node file", True, False, lambda data: node(data / "node")),
+        Kind("node memory", False, False, lambda _: node(None), peer=True),
+        Kind("node file", True, False, lambda data: node(data / "node"), peer=True),
+        # uvicorn speaks HTTP/1.1 only: no h2c rows.
+        Kind("rakaia memory", False, False, lambda _: rakaia(None), peer=True),
+        Kind("rakaia jsonl", True, False, lambda data: rakaia(data / "rakaia"), peer=True),
         Kind("ceiling", False, True, ceiling),
         # Not in the default run; for questions the table raises (python -m ops.loadtest --servers ...).
         Kind("streamkeep disk syncfs", True, True, streamkeep_disk_syncfs),
