@@ -613,3 +613,23 @@ def test_the_registry_must_list_exactly_the_live_streams() -> None:
     s = history()
     registry_read(s, [entry("txt/1"), entry("txt/1", "delete")])  # the live one is missing
     assert "registry" in s.check()
+
+
+def test_a_source_reaped_by_a_fork_delete_still_running_may_answer_404() -> None:
+    """Sim seed 3098: a fork's delete reaped its soft-deleted source; the source's own delete,
+    started after and ended before the fork's answer, got 404. Mutators are judged when they end,
+    so the fork's delete, still in flight, must count as maybe done."""
+    s = Script()
+    s.create("txt/0", A)
+    s.fork("fork/0", "txt/0", 201, inc=B)
+    s.delete("txt/0")  # soft: its fork reads it
+    history = s.history
+    fork_delete = history.start("delete", "w1", "fork/0", {}, Call("DELETE", "/v1/stream/fork/0"))
+    s.clock += 0.1
+    source_delete = history.start("delete", "w0", "txt/0", {}, Call("DELETE", "/v1/stream/txt/0"))
+    s.clock += 0.1
+    gone = json.dumps({"error": {"code": "stream_not_found", "message": "no such stream"}})
+    history.end(source_delete, Outcome(404, {}, gone, verdict="failed"))
+    s.clock += 0.1
+    history.end(fork_delete, Outcome(204, {}, verdict="ok"))
+    assert s.check() == []

@@ -399,6 +399,11 @@ class Model:
         self._finding_keys: set[tuple[str, str]] = set()
         self.occurrences: Counter[str] = Counter()
         self.recent_down = 0  # failed health probes not yet explained by a fault
+        # Deletes started and not yet judged, by event: (name, start). A mutator is judged when it
+        # ends, so one on another name still running may already have happened (sim seed 3098: a
+        # fork's delete reaped its soft-deleted source before the source's own delete, which
+        # ended first, answered 404).
+        self.deletes_in_flight: dict[int, tuple[str, float]] = {}
         # Whole-run checks operation families add (the registry's), run by `finish` last.
         self.finishers: dict[str, Callable[[Model], None]] = {}
 
@@ -469,6 +474,8 @@ class Model:
 
     def maybe_gone(self, inc: Incarnation, time: float) -> bool:
         """The incarnation may no longer hold its source's data (deleted, reaped or expired)."""
+        if any(name == inc.name and start <= time for name, start in self.deletes_in_flight.values()):
+            return True
         return any(s.inc is not inc for s in self.states(inc.name, time, time))
 
     def surely_live(self, inc: Incarnation, time: float) -> bool:

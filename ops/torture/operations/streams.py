@@ -716,7 +716,11 @@ class Delete(Operation):
             guess = ctx.view.streams[planned.name or ""]
             guess.exists, guess.size, guess.closed = False, 0, False
 
+    def on_start(self, model: Model, started: OpStarted) -> None:
+        model.deletes_in_flight[started.id] = (started.name or "", started.time)
+
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
+        model.deletes_in_flight.pop(started.id, None)
         name, outcome = started.name or "", ended.outcome
         states = model.states(name, started.time, ended.time)
         allowed = {404 if s.inc is None else 410 if s.soft else 204 for s in states}
