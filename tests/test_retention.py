@@ -421,3 +421,33 @@ async def test_a_read_from_the_start_that_retention_overtakes_starts_again_at_th
         assert stream_log is not None and stream_log.floor > 0 and "armed" not in holder
         assert answer.status == 200, answer.body
         assert answer.body.startswith(f"m{stream_log.floor // 5:03d};".encode())
+
+
+async def test_a_drop_after_an_upload_whose_manifest_save_half_failed_keeps_the_stream() -> None:
+    """Found by the torture run with retention (sim seed 3178): an upload's manifest rename landed
+    but its directory sync failed, so the list in memory lacked the segment while the manifest on
+    disk named it; retention then dropped the segment's files without saving the manifest, and at
+    the next start the stream would not load (its sidecar was gone): every read was a 404."""
+    fs = new_fs()
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "s", b"", T)).status == 201
+        await append_all(service, "s", 20)
+        stream_log = storage.open("s")
+        assert stream_log is not None
+        first = stream_log.segments[0]
+        entry = {"file": first.path.name, "start": first.start, "size": first.size, "sha256": "0" * 64, "key": "s/first"}
+        fs.after_rename_into(stream_log.directory / "cold.cbor", 10)  # its directory syncs fail
+        try:
+            await stream_log.record_upload(first, entry)
+        except OSError:
+            pass
+        fs.faults.forced.clear()  # only those syncs fail
+        assert stream_log.cold_entries == []  # what memory believes; the disk lists the segment
+        await retention(storage, max_bytes=30).pass_once()
+        floor = stream_log.floor
+        assert floor > first.start
+        kept = (await call(service, "GET", "s", query="offset=-1")).body
+    fs.crash()
+    async with server(fs, **SMALL) as (service, storage):
+        again = await call(service, "GET", "s", query="offset=-1")
+        assert again.status == 200 and again.body == kept

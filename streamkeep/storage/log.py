@@ -502,14 +502,16 @@ class DiskLog:
             for segment in doomed:
                 segment.retained_away = True  # reads that hold it now answer 410
             fs = self._storage.fs
-            manifest_changed = len(entries) != len(self.cold_entries)
-            if manifest_changed:
-                try:
-                    await self._storage.run_io(manifest.save_manifest, fs, self.directory, entries)
-                except OSError as error:
-                    for segment in doomed:
-                        segment.retained_away = False
-                    raise from_os_error(error, f"retention of {self.meta.name!r}") from None
+            # Saved even when the list in memory names none of them: an upload whose manifest
+            # save failed after its rename (its directory sync) left a manifest on disk that
+            # lists a doomed segment, and dropping its files under it lost the whole stream at
+            # the next start (torture sim seed 3178).
+            try:
+                await self._storage.run_io(manifest.save_manifest, fs, self.directory, entries)
+            except OSError as error:
+                for segment in doomed:
+                    segment.retained_away = False
+                raise from_os_error(error, f"retention of {self.meta.name!r}") from None
             # From here the drop has happened (the floor and the manifest say so): files that
             # cannot be removed now are below the floor, removed by the next pass or at start.
             try:
