@@ -570,52 +570,57 @@ class Service:
         if until is not None:  # the stream ends when the token or link that opened it expires
             close_at = min(close_at, until)
         batch: Batch | None = None
-        with _LiveReader(self, name, view.view.meta.incarnation, "sse") as reader:
-            live = reader.live
-            live.observe(view)
-            sent_control = False
-            while True:
-                meta = view.view.meta
-                closed_at_end = meta.closed and view.at_tail
-                if view.messages:
-                    yield _sse_batch(view, batch, cursor, base64_mode, live)
-                    sent_control = True
-                elif not sent_control or closed_at_end:
-                    yield sse.control(
-                        offsets.encode(view.next_position, meta.incarnation),
-                        cursor=response_cursor(cursor),
-                        up_to_date=True,
-                        closed=closed_at_end,
-                    )
-                    sent_control = True
-                if closed_at_end:
-                    return
-                position = view.next_position
-                if view.at_tail:
-                    if self.shutting_down or trio.current_time() >= close_at:
-                        return
-                    deadline = min(close_at, trio.current_time() + self.options.long_poll_timeout)
-                    if push is not None and live.can_push:
-                        # Asleep while changes are written straight to this subscriber's socket.
-                        parked = await live.park(
-                            position, push, _push_frame(push, cursor, base64_mode, live), deadline
+        try:
+            with _LiveReader(self, name, view.view.meta.incarnation, "sse") as reader:
+                live = reader.live
+                live.observe(view)
+                sent_control = False
+                while True:
+                    meta = view.view.meta
+                    closed_at_end = meta.closed and view.at_tail
+                    if view.messages:
+                        yield _sse_batch(view, batch, cursor, base64_mode, live)
+                        sent_control = True
+                    elif not sent_control or closed_at_end:
+                        yield sse.control(
+                            offsets.encode(view.next_position, meta.incarnation),
+                            cursor=response_cursor(cursor),
+                            up_to_date=True,
+                            closed=closed_at_end,
                         )
-                        tally.pushed += parked.sent
-                        if parked.leftover:
-                            yield Framed(parked.leftover)
-                        if parked.finished:
-                            return
-                        position, changed = parked.position, parked.woke
-                    else:
-                        changed = await live.wait_beyond(position, deadline)
-                    if self.shutting_down or trio.current_time() >= close_at:
+                        sent_control = True
+                    if closed_at_end:
                         return
-                    # A quiet spell gets a fresh control event: a keep-alive with a new cursor.
-                    sent_control = changed
-                try:
-                    view, batch = await self._next_view(reader, position)
-                except ProtocolError:
-                    return  # deleted, replaced or expired meanwhile: end; a reconnect gets the answer
+                    position = view.next_position
+                    if view.at_tail:
+                        if self.shutting_down or trio.current_time() >= close_at:
+                            return
+                        deadline = min(close_at, trio.current_time() + self.options.long_poll_timeout)
+                        if push is not None and live.can_push:
+                            # Asleep while changes are written straight to this subscriber's socket.
+                            parked = await live.park(
+                                position, push, _push_frame(push, cursor, base64_mode, live), deadline
+                            )
+                            tally.pushed += parked.sent
+                            if parked.leftover:
+                                yield Framed(parked.leftover)
+                            if parked.finished:
+                                return
+                            position, changed = parked.position, parked.woke
+                        else:
+                            changed = await live.wait_beyond(position, deadline)
+                        if self.shutting_down or trio.current_time() >= close_at:
+                            return
+                        # A quiet spell gets a fresh control event: a keep-alive with a new cursor.
+                        sent_control = changed
+                    try:
+                        view, batch = await self._next_view(reader, position)
+                    except ProtocolError:
+                        return  # deleted, replaced or expired meanwhile: end; a reconnect gets the answer
+        except ProtocolError:
+            # Deleted between the first read and here (its actor gone, so no live reader can
+            # join): end the stream; the reconnect gets the answer (torture sim seed 4140).
+            return
 
 
 def _credential_deadline(request: Request) -> float | None:

@@ -418,3 +418,22 @@ async def test_a_long_poll_at_now_whose_stream_expires_and_is_created_again_is_a
         await trio.testing.wait_all_tasks_blocked()
         assert answers == [404]
         nursery.cancel_scope.cancel()
+
+
+async def test_an_sse_stream_whose_stream_is_deleted_before_its_body_starts_ends_quietly() -> None:
+    """Found by the torture run (sim seed 4140): the stream was deleted between the SSE answer's
+    first read and its body joining the live readers; the 404 raised inside the body, after the
+    200 was sent. The body ends instead; the client's reconnect gets the 404."""
+    async with trio.open_nursery() as nursery:
+        storage = MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22)
+        supervisor = Supervisor(storage, nursery, hibernate_after=0.05)
+        service = Service(supervisor, ServiceOptions())
+        text = Headers([("Content-Type", "text/plain")])
+        assert (await service.handle(Request("PUT", "/v1/stream/s", "", text, b"x"))).status == 201
+        answer = await service.handle(Request("GET", "/v1/stream/s", "offset=-1&live=sse", Headers([]), b""))
+        assert answer.status == 200 and answer.stream is not None
+        assert (await service.handle(Request("DELETE", "/v1/stream/s", "", Headers([]), b""))).status == 204
+        await trio.sleep(0.2)  # the deleted stream's actor is gone
+        chunks = [chunk async for chunk in answer.stream]
+        assert chunks == []
+        nursery.cancel_scope.cancel()
