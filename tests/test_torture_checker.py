@@ -633,3 +633,26 @@ def test_a_source_reaped_by_a_fork_delete_still_running_may_answer_404() -> None
     s.clock += 0.1
     history.end(fork_delete, Outcome(204, {}, verdict="ok"))
     assert s.check() == []
+
+
+def test_a_delete_not_made_durable_may_come_back_after_a_power_cut() -> None:
+    """Sim seed 5161: a delete answered 503 not_durable, a read then got 404, and the power cut
+    that followed brought the stream back, as the answer allowed."""
+    s = three_appends()
+    not_durable = json.dumps({"error": {"code": "not_durable", "message": "delete was done, not durably"}})
+    s.fault("disk_faults")  # directory syncs fail: what explains the 503
+    s.op("delete", "txt/0", Call("DELETE", "/v1/stream/txt/0"), Outcome(503, {}, not_durable))
+    gone = json.dumps({"error": {"code": "stream_not_found", "message": "no such stream"}})
+    s.op("head", "txt/0", Call("HEAD", "/v1/stream/txt/0"), Outcome(404, {}, gone))
+    s.fault("power_cut")
+    s.fault("restart")
+    back = {"stream-next-offset": tok(A, 24), "content-type": "text/plain"}
+    s.op("head", "txt/0", Call("HEAD", "/v1/stream/txt/0"), Outcome(200, back))
+    assert s.check() == []
+    # Without the power cut, the stream coming back is a finding.
+    t = three_appends()
+    t.fault("disk_faults")
+    t.op("delete", "txt/0", Call("DELETE", "/v1/stream/txt/0"), Outcome(503, {}, not_durable))
+    t.op("head", "txt/0", Call("HEAD", "/v1/stream/txt/0"), Outcome(404, {}, gone))
+    t.op("head", "txt/0", Call("HEAD", "/v1/stream/txt/0"), Outcome(200, back))
+    assert t.check() != []

@@ -404,6 +404,11 @@ class Model:
         # fork's delete reaped its soft-deleted source before the source's own delete, which
         # ended first, answered 404).
         self.deletes_in_flight: dict[int, tuple[str, float]] = {}
+        # Changes answered 503 not_durable since the last power cut, with the states before them:
+        # done, but a power cut may still take them back, whatever answers narrowed since (sim
+        # seed 5161: a delete so answered, a 404 read after it, then a power cut brought the
+        # stream back).
+        self.undurable: list[tuple[str, frozenset[State], int]] = []
         # Whole-run checks operation families add (the registry's), run by `finish` last.
         self.finishers: dict[str, Callable[[Model], None]] = {}
 
@@ -501,6 +506,8 @@ class Model:
             after.update(effect(state))
         if verdict != OK:
             after |= before
+        if ended.outcome.status == 503 and contract.error_code(ended.outcome.body) == contract.NOT_DURABLE:
+            self.undurable.append((name, frozenset(before), started.id))
         record.add(Change(started.time, ended.time, frozenset(after), started.id))
 
     def narrow(self, name: str, start: float, end: float, keep: Callable[[State], bool]) -> None:
@@ -976,6 +983,11 @@ class Model:
                 f"the server exited on its own: {last_error(str(fault.detail.get('output', '')))}",
                 [fault.id],
             )
+        if fault.kind == "power_cut":
+            for name, before, event in self.undurable:
+                record = self.name(name)
+                record.add(Change(fault.time, fault.time, record.current() | before, event))
+            self.undurable.clear()
         if fault.kind == "restart":
             self.restarts.append(fault.time)
             for inc in self.all_incs:
