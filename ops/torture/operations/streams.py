@@ -270,6 +270,14 @@ class Fork(Operation):
         if offset is not None:
             named = [i for i in sources if offset[0] in {c.number for c in i.chain()}]
             sources = named or sources
+        answered_type = outcome.headers.get("content-type", "").split(";")[0]
+        if answered_type and len(sources) > 1:
+            # Several incarnations may have been the source (a lost answer left both): the
+            # fork's type says which kind it was. Picking by set order instead made the verdict
+            # depend on memory addresses (seed 6168 judged a text fork as JSON in one process).
+            typed = [i for i in sources if i.content_type.split(";")[0] == answered_type]
+            sources = typed or sources
+        sources.sort(key=lambda i: i.created_by)  # a fixed order, whatever the set's
         source = sources[-1] if sources else None
         if outcome.status == 201 and source is not None:
             token = parse_token(outcome.headers.get("stream-next-offset"))
