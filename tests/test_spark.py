@@ -157,6 +157,23 @@ def test_a_damaged_sealed_segment_fails_the_job_naming_it(spark, tmp_path: Path)
     assert sealed.name in str(caught.value) and "damaged" in str(caught.value)
 
 
+def stream_to_parquet(spark, data: Path, out: Path, checkpoint: Path, **options: str):  # type: ignore[no-untyped-def]
+    """One availableNow run of the streaming source over `data` into parquet at `out`."""
+    reader = spark.readStream.format("streamkeep")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    query = (
+        reader.load(str(data))
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return query
+
+
 def test_streaming_picks_up_new_sealed_segments_and_resumes(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from ops.serverproc import start
 
@@ -172,16 +189,7 @@ def test_streaming_picks_up_new_sealed_segments_and_resumes(spark, tmp_path: Pat
             )
 
     def run_query() -> list[str]:
-        query = (
-            spark.readStream.format("streamkeep")
-            .load(str(data))
-            .writeStream.format("parquet")
-            .option("path", str(out))
-            .option("checkpointLocation", str(checkpoint))
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination()
+        stream_to_parquet(spark, data, out, checkpoint)
         return sorted(bytes(r.payload).decode() for r in spark.read.parquet(str(out)).collect())
 
     try:
@@ -474,19 +482,7 @@ def test_streaming_fails_on_data_loss_unless_told_to_go_on(spark, tmp_path: Path
     )
 
     def run_query(**options: str):  # type: ignore[no-untyped-def]
-        reader = spark.readStream.format("streamkeep")
-        for key, value in options.items():
-            reader = reader.option(key, value)
-        query = (
-            reader.load(str(data))
-            .writeStream.format("parquet")
-            .option("path", str(out))
-            .option("checkpointLocation", str(checkpoint))
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination()
-        return query
+        return stream_to_parquet(spark, data, out, checkpoint, **options)
 
     def written() -> list[str]:
         return sorted(bytes(r.payload).decode() for r in spark.read.parquet(str(out)).collect())
