@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
-	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark crash-test soak system-tools browser-tools h2load venv clean \
+	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture
 
 venv: $(VENV_STAMP)
@@ -118,6 +118,12 @@ bench-load: $(VENV_STAMP) $(BENCH_STAMP) $(RAKAIA_STAMP) h2load
 ## Durable appends only, fdatasync vs syncfs group commit, beside the Node reference server.
 bench-disk: $(VENV_STAMP) $(BENCH_STAMP) h2load
 	$(PY) -m ops.bench_disk
+
+## Where an append's microseconds go (issue 15): server CPU per append, split by component from py-spy
+## samples, memory and disk, HTTP/1.1 and h2c; server and load pinned to their own cores (~1 min).
+## py-spy comes with .venv (the dev extra). Extra flags: make profile ARGS="--seconds 3 --json profile.json"
+profile: $(VENV_STAMP) h2load
+	$(PY) -m ops.profile_append --markdown $(ARGS)
 
 bench-recovery: $(VENV_STAMP)
 	$(PY) -m ops.bench_recovery

@@ -50,8 +50,10 @@ def run(
     count: int | None = None,
     latencies: bool = False,
     headers: tuple[str, ...] = (),
+    cpus: str | None = None,
 ) -> Load:
-    """POSTs `body` to `paths` (each client cycles through all of them) for `seconds` or `count`."""
+    """POSTs `body` to `paths` (each client cycles through all of them) for `seconds` or `count`;
+    with `cpus` (a taskset list, "1"), h2load runs on those CPUs only."""
     with tempfile.TemporaryDirectory() as tmp:
         uris = Path(tmp) / "uris"
         uris.write_text("".join(server.url + path + "\n" for path in paths))
@@ -65,6 +67,8 @@ def run(
             command.append("--h1")
         if latencies:
             command += ["--log-file", str(log)]
+        if cpus is not None:
+            command = ["taskset", "-c", cpus, *command]
         before = cpu_seconds(server.process.pid)
         done = subprocess.run(command, capture_output=True, text=True, timeout=(seconds or 60) + 120)
         used = cpu_seconds(server.process.pid) - before

@@ -89,3 +89,18 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Pins every thread a server has to `cpu`; threads it starts later inherit the pinning."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), {cpu})
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def pinned_cpus() -> tuple[int, int] | None:
+    """(the servers' CPU, the load's CPU): the first two this process may use; None with one."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
