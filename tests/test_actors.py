@@ -5,6 +5,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from streamkeep.actors.mailbox import NotNow
 from streamkeep.actors.stream_actor import StreamActor
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.errors import ProtocolError
@@ -87,6 +88,10 @@ async def test_concurrent_appends_are_serialised() -> None:
         nursery.cancel_scope.cancel()
 
 
+def not_now(self, *args):  # type: ignore[no-untyped-def]
+    raise NotNow
+
+
 async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A flood of appends queues at most `mailbox_size` messages; the rest wait in their senders."""
     gate = trio.Event()
@@ -100,6 +105,8 @@ async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ig
         supervisor = Supervisor(new_storage(), nursery, mailbox_size=4)
         await supervisor.call("s", "create", create_spec(), must_exist=False)
         monkeypatch.setattr(StreamActor, "append", slow_append)
+        # Appends that cannot be answered in the caller's task (here: none) take the mailbox.
+        monkeypatch.setattr(StreamActor, "_append_now", not_now)
         done = 0
 
         async def one() -> None:

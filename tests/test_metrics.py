@@ -138,6 +138,10 @@ def test_metrics_port_and_switch(tmp_path: Path) -> None:
         assert httpx.get(metrics_url, timeout=5).status_code == 200
         assert httpx.get(f"{server.url}/metrics", timeout=5).status_code == 404  # not on the main port
         assert httpx.get(metrics_url.replace("/metrics", "/v1/stream/x"), timeout=5).status_code == 404
+        with httpx.Client(http1=False, http2=True, timeout=5) as h2c:  # prior knowledge, as Prometheus may
+            answer = h2c.get(metrics_url)
+            assert answer.http_version == "HTTP/2" and answer.status_code == 200
+            assert "streamkeep_" in answer.text
     finally:
         server.stop()
     off = start(*FAST, "--no-metrics")

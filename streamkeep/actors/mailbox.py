@@ -13,6 +13,11 @@ class ActorGone(Exception):
     """The actor hibernated before it took the message; the supervisor starts a new one."""
 
 
+class NotNow(Exception):
+    """The handler cannot run in the caller's task now (the actor is busy, has messages queued, or
+    the handler would have to wait): send it as a message instead."""
+
+
 @dataclass
 class Reply:
     _done: trio.Event = field(default_factory=trio.Event)

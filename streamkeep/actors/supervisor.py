@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 
-from streamkeep.actors.mailbox import ActorGone
+from streamkeep.actors.mailbox import ActorGone, NotNow
 from streamkeep.actors.stream_actor import Lifecycle, LiveReaderMark, StreamActor
 from streamkeep.protocol.errors import not_found
 from streamkeep.storage.base import Storage
@@ -77,7 +77,20 @@ class Supervisor:
         finally:
             self._sweeping = False
 
+    def call_now(self, name: str, handler: str, *args: Any) -> Any:
+        """Runs the handler in the caller's task if the stream's actor is awake and idle (see
+        StreamActor.call_now), else raises NotNow and nothing happened."""
+        actor = self._actors.get(name)
+        if actor is None:
+            raise NotNow
+        return actor.call_now(handler, *args)
+
     async def call(self, name: str, handler: str, *args: Any, must_exist: bool = True) -> Any:
+        """The handler's result; at once, without a checkpoint, when `call_now` can take it."""
+        try:
+            return self.call_now(name, handler, *args)
+        except NotNow:
+            pass
         while True:
             actor = self.actor(name, must_exist=must_exist)
             try:

@@ -14,6 +14,7 @@ only read from the socket when the queue cannot answer, so the queue is bounded 
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable
 
@@ -51,7 +52,7 @@ class Message:
 
     def __init__(self) -> None:
         self.url = b""
-        self.headers: list[tuple[str, str]] = []
+        self.headers: dict[str, str] = {}  # lower-case names, repeats joined by ", "
         self.body: list[bytes] = []
         self.size = 0
         self.method = ""
@@ -67,6 +68,10 @@ class RequestReader:
 
     def __init__(self, stream: trio.abc.Stream, max_head_bytes: int) -> None:
         self._stream = stream
+        # Plain TCP is read straight from the socket: wait until readable, then recv. Through
+        # trio's receive_some a request cost a recv that fails (the client waits for our answer
+        # before sending its next request) and a yield around each call (docs/architecture.md).
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self._max_head_bytes = max_head_bytes
         self._parser = httptools.HttpRequestParser(self)
         self._messages: deque[Message] = deque()
@@ -94,7 +99,8 @@ class RequestReader:
         message = self._messages[-1]
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
-        message.headers.append((key, text))
+        headers = message.headers
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > self._max_head_bytes:
             self._head_too_large = True
@@ -133,10 +139,26 @@ class RequestReader:
         if self._head_too_large or self._head_fed > self._max_head_bytes + READ_SIZE:
             raise BadRequest(431, "request head too large")
 
-    async def head(self, timeout: float) -> Message:
-        """The next request, once its head has arrived (its body may still be on the way)."""
-        await self._receive_until(lambda: bool(self._messages) and self._messages[0].head_complete, timeout)
-        return self._messages[0]
+    async def head(self) -> Message:
+        """The next request, once its head has arrived (its body may still be on the way). No
+        timeout here: the edge closes connections idle too long (edge.Connections.close_idle).
+
+        Always a checkpoint: a request already parsed (pipelined) yields to other tasks first, so
+        a client pipelining requests cannot keep the event loop to itself."""
+        if self._messages and self._messages[0].head_complete:
+            await trio.lowlevel.checkpoint()
+            return self._messages[0]
+        if self._upgraded:
+            raise PeerClosed
+        while True:
+            data = await self._receive()
+            if not data:
+                raise PeerClosed
+            self.feed(data)
+            if self._messages and self._messages[0].head_complete:
+                return self._messages[0]
+            if self._upgraded:
+                raise PeerClosed
 
     async def body(self, message: Message, deadline: float, on_bytes: Callable[[int], None]) -> None:
         """Reads until `message` is complete; `on_bytes(size so far)` may refuse by raising."""
@@ -161,7 +183,7 @@ class RequestReader:
             raise PeerClosed
         with trio.CancelScope(deadline=trio.current_time() + max(0.0, timeout)) as scope:
             while True:
-                data = await self._stream.receive_some(READ_SIZE)
+                data = await self._receive()
                 if not data:
                     raise PeerClosed
                 self.feed(data)
@@ -171,6 +193,17 @@ class RequestReader:
                     raise PeerClosed
         if scope.cancelled_caught:
             raise trio.TooSlowError
+
+    async def _receive(self) -> bytes:
+        fd = self._fd
+        if fd is None:
+            return await self._stream.receive_some(READ_SIZE)
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                return os.read(fd, READ_SIZE)  # the socket is non-blocking
+            except BlockingIOError:
+                continue  # woken without data (rare): wait again
 
 
 __all__ = ["BadRequest", "Message", "PeerClosed", "RequestReader"]

@@ -21,7 +21,7 @@ from http import HTTPStatus
 import trio
 
 from streamkeep.http.edge import Connections, EdgeLimits, hung_up, rejection
-from streamkeep.http.h1 import READ_SIZE, BadRequest, PeerClosed, RequestReader
+from streamkeep.http.h1 import READ_SIZE, BadRequest, Message, PeerClosed, RequestReader
 from streamkeep.http.lean_h2 import H2_PREFACE, serve_h2
 from streamkeep.protocol.errors import ProtocolError, body_too_large
 from streamkeep.protocol.model import Framed, Headers, Request, Response
@@ -90,7 +90,7 @@ async def serve_connection(
                 log.exception("connection failed; closing it")
         finally:
             connections.all.discard(scope)
-            connections.idle.discard(scope)
+            connections.working(scope)
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 try:
@@ -139,36 +139,29 @@ async def serve_h1(
 ) -> None:
     """HTTP/1.1: requests parsed by llhttp (streamkeep.http.h1), responses written directly."""
     reader = RequestReader(stream, MAX_HEADER_BYTES)
-    push = ChunkedPush(stream.socket.fileno()) if isinstance(stream, trio.SocketStream) else None
+    fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
+    push = ChunkedPush(fd) if fd is not None else None
     try:
         if first:
             reader.feed(first)
         while True:
-            connections.idle.add(scope)
+            connections.waiting(scope)  # closed after KEEP_ALIVE_TIMEOUT (Connections.close_idle)
             if connections.closing:
                 return
             try:
-                message = await reader.head(KEEP_ALIVE_TIMEOUT)
-            except (PeerClosed, trio.TooSlowError):
+                message = await reader.head()
+            except PeerClosed:
                 return
             finally:
-                connections.idle.discard(scope)
+                connections.working(scope)
             charged = [0]
-
-            def count(size: int, charged: list[int] = charged) -> None:
-                if size > limits.max_body_bytes:
-                    raise body_too_large(limits.max_body_bytes)
-                if size > charged[0]:
-                    limits.budget.charge(size - charged[0])
-                    charged[0] = size
-
             try:
                 try:
-                    if (message.declared_length or 0) > limits.max_body_bytes:
-                        raise body_too_large(limits.max_body_bytes)
-                    if message.expects_continue and not message.complete:
-                        await stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    await reader.body(message, trio.current_time() + limits.body_timeout, count)
+                    if message.complete:
+                        # The whole request came in one read (nearly every append): no waiting.
+                        _charge_body(message.size, limits, charged)
+                    else:
+                        await _wait_for_body(stream, reader, message, limits, charged)
                 except ProtocolError as error:
                     await stream.send_all(_encode(rejection(service, error), False, True))
                     return
@@ -182,7 +175,7 @@ async def serve_h1(
                 body = b"".join(message.body)
                 message.body.clear()
                 request = Request(
-                    message.method, raw_path, query, Headers(message.headers), body, scheme, "1.1"
+                    message.method, raw_path, query, Headers.lowered(message.headers), body, scheme, "1.1"
                 )
                 request.client = client
                 if push is not None and message.method == "GET":
@@ -192,11 +185,11 @@ async def serve_h1(
                 limits.budget.release(charged[0])
             keep_alive = reader.finish(message)
             if response.stream is None:
-                await stream.send_all(_encode(response, message.method == "HEAD", not keep_alive))
+                await _send(stream, fd, _encode(response, message.method == "HEAD", not keep_alive))
             else:
                 # A stream can last minutes and there may be 10,000 of them: the request and its
                 # body are done with, so they are not kept alive alongside it.
-                del request, body, message, count
+                del request, body, message
                 sent_meanwhile = await _send_streaming(stream, response, service.options.send_stall_timeout)
                 if sent_meanwhile is None:
                     return
@@ -206,6 +199,44 @@ async def serve_h1(
     except BadRequest as bad:
         error = ProtocolError(bad.status, "bad_http", str(bad))
         await stream.send_all(_encode(rejection(service, error), False, True))
+
+
+def _charge_body(size: int, limits: EdgeLimits, charged: list[int]) -> None:
+    """Refuses a body over --max-body-bytes, and charges what arrived so far to the server-wide
+    body budget (`charged[0]`: what this request holds of it, released when it is answered)."""
+    if size > limits.max_body_bytes:
+        raise body_too_large(limits.max_body_bytes)
+    if size > charged[0]:
+        limits.budget.charge(size - charged[0])
+        charged[0] = size
+
+
+async def _wait_for_body(
+    stream: trio.abc.Stream, reader: RequestReader, message: Message, limits: EdgeLimits, charged: list[int]
+) -> None:
+    """Reads the rest of a request's body under --max-body-bytes and --body-timeout."""
+    if (message.declared_length or 0) > limits.max_body_bytes:
+        raise body_too_large(limits.max_body_bytes)
+    if message.expects_continue:
+        await stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+    await reader.body(
+        message, trio.current_time() + limits.body_timeout, lambda size: _charge_body(size, limits, charged)
+    )
+
+
+async def _send(stream: trio.abc.Stream, fd: int | None, data: bytes) -> None:
+    """Writes a response: straight into a plain TCP socket when the kernel takes it all (almost
+    always: the socket buffer is empty between requests), which spares trio's yield around a send;
+    the connection's reads are its checkpoints. The rest, if any, goes through trio and waits."""
+    if fd is not None:
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        data = data[sent:]
+    await stream.send_all(data)
 
 
 # Header lines repeat across responses (CORS, content types, cache rules): encode each once.
@@ -320,6 +351,7 @@ async def serve_lean(
                 lambda stream: serve_connection(stream, service, limits, connections, ssl_context),
                 listeners,
             )
+            acceptors.start_soon(connections.close_idle, KEEP_ALIVE_TIMEOUT)
             task_status.started(urls)
             await shutdown.wait()
             acceptors.cancel_scope.cancel()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import h2.config
@@ -15,6 +17,8 @@ import trio
 
 from streamkeep.http.edge import Connections, EdgeLimits, rejection
 from streamkeep.http.h1 import READ_SIZE
+from streamkeep.http.h2_encoder import ResponseEncoder
+from streamkeep.http.h2_requests import malformed
 from streamkeep.protocol.errors import ProtocolError, body_too_large
 from streamkeep.protocol.model import Headers, Request, Response
 
@@ -85,8 +89,11 @@ class _H2Connection:
             header_encoding=None,
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
+            # Checked by streamkeep.http.h2_requests instead, at a fraction of the cost.
+            validate_inbound_headers=False,
         )
         self.conn = h2.connection.H2Connection(config=config)
+        self.conn.encoder = ResponseEncoder()
         self.conn.local_settings = h2.settings.Settings(
             client=False,
             initial_values={
@@ -101,6 +108,10 @@ class _H2Connection:
         self.nursery: trio.Nursery | None = None
         self._write_soon = trio.Event()
         self._reaping = False
+        # Plain TCP is read and written straight through the socket (as over HTTP/1.1, lean.py);
+        # bytes the kernel did not take wait in `_unsent` for the writer task, in order.
+        self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
+        self._unsent = bytearray()
         self.client = ""
 
     async def run(self, first: bytes) -> None:
@@ -118,10 +129,10 @@ class _H2Connection:
                         await self.flush()  # h2 queued a GOAWAY saying why
                         break
                     self.handle(events)
-                    self.flush_soon()
+                    self.write_queued()
                 idle = not self.streams
                 if idle:
-                    self.connections.idle.add(self.scope)
+                    self.connections.waiting(self.scope)
                     if self.connections.closing:
                         self.conn.close_connection()
                         await self.flush()
@@ -129,11 +140,11 @@ class _H2Connection:
                 if idle:
                     data = b""
                     with trio.move_on_after(IDLE_TIMEOUT):
-                        data = await self.stream.receive_some(READ_SIZE)
-                    self.connections.idle.discard(self.scope)
+                        data = await self.receive()
+                    self.connections.working(self.scope)
                 else:
                     # No timer while requests are open: a cancel scope per read cost ~5 % here.
-                    data = await self.stream.receive_some(READ_SIZE)
+                    data = await self.receive()
                 if not data:
                     break
             nursery.cancel_scope.cancel()
@@ -145,6 +156,10 @@ class _H2Connection:
     def handle(self, events: list[h2.events.Event]) -> None:
         for event in events:
             if isinstance(event, h2.events.RequestReceived):
+                if malformed(event.headers) is not None:
+                    # A stream error (RFC 9113 §8.1.1): this request ends, the connection goes on.
+                    self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                    continue
                 state = _Stream(list(event.headers))
                 self.streams[event.stream_id] = state
                 declared = _header(state.headers, b"content-length")
@@ -232,23 +247,51 @@ class _H2Connection:
         state.chunks = []
 
     def start(self, stream_id: int, state: _Stream) -> None:
+        """Answers a request whose body is complete (or refused): at once when the service can
+        (see Service.begin) and the answer fits the flow-control window, else in a task."""
         state.started = True
+        head = False
+        if state.rejected is not None:
+            answer: Response | Awaitable[Response] = rejection(self.service, state.rejected)
+        else:
+            request = self.request(state)
+            head = request.method == "HEAD"
+            answer = self.service.begin(request)
+            if isinstance(answer, Response) and self._send_now(stream_id, answer, head):
+                self._release(state)
+                if self.streams.get(stream_id) is state:
+                    del self.streams[stream_id]
+                return
         assert self.nursery is not None
-        self.nursery.start_soon(self.respond, stream_id, state)
+        self.nursery.start_soon(self.respond, stream_id, state, answer, head)
 
     # ---- responses ----------------------------------------------------------------------
 
-    async def respond(self, stream_id: int, state: _Stream) -> None:
+    def _send_now(self, stream_id: int, response: Response, head: bool) -> bool:
+        """Queues a whole response in h2 if nothing has to wait for it (no streaming body, and the
+        body fits the window in one frame); the receive loop sends it with what else is queued."""
+        if response.stream is not None:
+            return False
+        body = b"" if head or response.status in (204, 304) else response.body
+        try:
+            if body and len(body) > min(
+                self.conn.local_flow_control_window(stream_id), self.conn.max_outbound_frame_size
+            ):
+                return False
+            self.conn.send_headers(stream_id, self._response_headers(response), end_stream=not body)
+            if body:
+                self.conn.send_data(stream_id, body, end_stream=True)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass  # the client reset the stream meanwhile: nothing to send
+        return True
+
+    async def respond(
+        self, stream_id: int, state: _Stream, answer: Response | Awaitable[Response], head: bool
+    ) -> None:
         with trio.CancelScope() as scope:
             state.scope = scope
             try:
-                if state.rejected is not None:
-                    response = rejection(self.service, state.rejected)
-                    head = False
-                else:
-                    request = self.request(state)
-                    head = request.method == "HEAD"
-                    response = await self.service.handle(request)
+                response = answer if isinstance(answer, Response) else await answer
                 await self.send_response(stream_id, response, head=head)
             except _Stalled:
                 await self.cancel_stream(stream_id)
@@ -291,15 +334,19 @@ class _H2Connection:
         request.client = self.client
         return request
 
-    async def send_response(self, stream_id: int, response: Response, *, head: bool) -> None:
-        headers = [(b":status", str(response.status).encode())]
+    def _response_headers(self, response: Response) -> list[tuple[bytes, bytes]]:
+        headers = [_STATUS.get(response.status) or (b":status", str(response.status).encode())]
         headers += [
             _h2_header(name, value) for name, value in response.headers if name.lower() not in _HOP_BY_HOP
         ]
+        if response.stream is None and response.status not in (204, 304):
+            headers.append((b"content-length", str(len(response.body)).encode()))
+        return headers
+
+    async def send_response(self, stream_id: int, response: Response, *, head: bool) -> None:
+        headers = self._response_headers(response)
         if response.stream is None:
             body = b"" if head or response.status in (204, 304) else response.body
-            if response.status not in (204, 304):
-                headers.append((b"content-length", str(len(response.body)).encode()))
             self.conn.send_headers(stream_id, headers, end_stream=not body)
             if body:
                 await self.send_data(stream_id, body, end=True)
@@ -337,6 +384,33 @@ class _H2Connection:
         self.window_changed.set()
         self.window_changed = trio.Event()
 
+    async def receive(self) -> bytes:
+        if self.fd is None:
+            return await self.stream.receive_some(READ_SIZE)
+        while True:
+            await trio.lowlevel.wait_readable(self.fd)
+            try:
+                return os.read(self.fd, READ_SIZE)
+            except BlockingIOError:
+                continue
+
+    def write_queued(self) -> None:
+        """Sends what h2 queued: straight into the socket when no flush is under way and the
+        kernel takes it all (no writer task to wake, no lock), else through the writer task."""
+        data = self.conn.data_to_send()
+        if not data:
+            return
+        if self.fd is not None and not self._unsent and not self.send_lock.locked():
+            try:
+                sent = os.write(self.fd, data)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        self._unsent += data
+        self.flush_soon()
+
     def flush_soon(self) -> None:
         """Has the writer task send what h2 queued, without waiting: responses that arrive together
         leave in one write."""
@@ -353,6 +427,9 @@ class _H2Connection:
         # Take the lock before collecting bytes, so frames reach the socket in the order h2 made them.
         async with self.send_lock:
             data = self.conn.data_to_send()
+            if self._unsent:
+                data = bytes(self._unsent) + data
+                self._unsent.clear()
             if data:
                 with trio.move_on_after(self.service.options.send_stall_timeout) as waited:
                     await self.stream.send_all(data)
@@ -363,6 +440,7 @@ class _H2Connection:
                     await trio.lowlevel.checkpoint()
 
 
+_STATUS = {status: (b":status", b"%d" % status) for status in (200, 201, 204, 304, 400, 404, 409)}
 # Header pairs repeat across responses (CORS, content types, cache rules): encode each once.
 _pair_cache: dict[tuple[str, str], tuple[bytes, bytes]] = {}
 

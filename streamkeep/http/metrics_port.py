@@ -6,7 +6,8 @@ where only Prometheus reaches. The lean edge serves it; this is the service it c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from streamkeep import routes
 from streamkeep.protocol import responses
@@ -21,6 +22,10 @@ class MetricsEndpoint:
         self.page = page
         self.options = service.options  # the edge reads its stall timeout
         self.cors = service.cors
+
+    def begin(self, request: Request) -> Coroutine[Any, Any, Response]:
+        """As Service.begin: the HTTP/2 edge asks this first (nothing here is answered at once)."""
+        return self.handle(request)
 
     async def handle(self, request: Request) -> Response:
         route = routes.classify(request) if not request.raw_path.startswith("/v1/") else routes.Route(routes.OTHER)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 
 from streamkeep.protocol.errors import bad_request
 from streamkeep.protocol.model import Headers
@@ -23,6 +24,7 @@ def closed_flag(headers: Headers) -> bool:
     return value is not None and value.strip().lower() == "true"
 
 
+@lru_cache(maxsize=256)  # asked several times per append, of a few distinct values
 def media_type(content_type: str) -> str:
     """`Text/Plain; charset=utf-8` -> `text/plain`: what stream content types are compared by."""
     return content_type.split(";", 1)[0].strip().lower()
@@ -47,12 +49,24 @@ def content_type_for_create(headers: Headers) -> str:
     return value
 
 
+# Content types that passed the check: appends repeat a handful of them (bounded like names).
+_VALID_CONTENT_TYPES: set[str] = set()
+
+
 def content_type_for_append(headers: Headers) -> str | None:
     value = headers.get("content-type")
-    if value is None or not value.strip():
+    if value is None:
+        return None
+    if value in _VALID_CONTENT_TYPES:
+        return value
+    if not value.strip():
         return None
     if not _MEDIA_TYPE.fullmatch(media_type(value)):
         raise bad_request("invalid_content_type", f"Content-Type {value[:100]!r} is not a media type")
+    if value == value.strip() and len(value) <= 200:
+        if len(_VALID_CONTENT_TYPES) >= 1024:
+            _VALID_CONTENT_TYPES.clear()
+        _VALID_CONTENT_TYPES.add(value)
     return value.strip()
 
 
@@ -100,15 +114,13 @@ def producer(headers: Headers) -> ProducerHeaders | None:
     producer_id = headers.get("producer-id")
     epoch = headers.get("producer-epoch")
     seq = headers.get("producer-seq")
-    given = [v is not None for v in (producer_id, epoch, seq)]
-    if not any(given):
+    if producer_id is None and epoch is None and seq is None:
         return None
-    if not all(given):
+    if producer_id is None or epoch is None or seq is None:
         raise bad_request(
             "incomplete_producer",
             "Producer-Id, Producer-Epoch and Producer-Seq must be sent together",
         )
-    assert producer_id is not None and epoch is not None and seq is not None
     if producer_id == "":
         raise bad_request("invalid_producer_id", "Producer-Id must not be empty")
     return ProducerHeaders(

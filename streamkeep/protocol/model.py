@@ -22,6 +22,14 @@ class Headers:
             else:
                 self._values[key] = value
 
+    @classmethod
+    def lowered(cls, values: dict[str, str]) -> Headers:
+        """Headers over a dict already keyed by lower-case names, repeats joined (the edge's parser
+        builds one as it goes, so nothing is copied per request)."""
+        headers = cls.__new__(cls)
+        headers._values = values
+        return headers
+
     def get(self, name: str, default: str | None = None) -> str | None:
         return self._values.get(name.lower(), default)
 

@@ -20,8 +20,27 @@ MAX_SEGMENT_BYTES = 255
 _BROKEN_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
 
+# Paths seen recently and their names: every request parses its path, and a stream's requests
+# repeat it (~3 us of an append, with the checks below). Bounded in entries and path length, and
+# emptied when full, so random names cannot grow it; only valid names are kept.
+_PARSED: dict[str, str] = {}
+_PARSED_MAX_ENTRIES = 4096
+_PARSED_MAX_PATH = 256
+
+
 def parse_stream_name(raw_path: str) -> str:
     """The stream name of a raw (still percent-encoded) request path under STREAM_PREFIX."""
+    name = _PARSED.get(raw_path)
+    if name is None:
+        name = _parse_stream_name(raw_path)
+        if len(raw_path) <= _PARSED_MAX_PATH:
+            if len(_PARSED) >= _PARSED_MAX_ENTRIES:
+                _PARSED.clear()
+            _PARSED[raw_path] = name
+    return name
+
+
+def _parse_stream_name(raw_path: str) -> str:
     encoded = raw_path[len(STREAM_PREFIX) :]
     if _BROKEN_ESCAPE.search(encoded):
         raise bad_request("invalid_stream_name", "stream name has a '%' that is not a %XX escape")

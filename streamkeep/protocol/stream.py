@@ -181,7 +181,7 @@ class CreateSpec:
         return self.closed == meta.closed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs ~1 us
 class AppendSpec:
     content_type: str | None
     body: bytes
@@ -205,7 +205,7 @@ class AppendSpec:
         return spec
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs ~1 us
 class AppendPlan:
     """What an accepted append writes, all in one durable step."""
 
@@ -216,7 +216,7 @@ class AppendPlan:
     stream_seq: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per request, where frozen's __init__ costs ~1 us
 class AppendOutcome:
     """The reply to an append that was accepted, deduplicated or was a close-only."""
 
@@ -308,7 +308,9 @@ def plan_append(state: StreamState, spec: AppendSpec) -> AppendPlan | AppendOutc
     if spec.body:
         if spec.content_type is None:
             raise bad_request("missing_content_type", "an append with a body needs a Content-Type")
-        if h.media_type(spec.content_type) != h.media_type(meta.content_type):
+        if spec.content_type != meta.content_type and h.media_type(spec.content_type) != h.media_type(
+            meta.content_type
+        ):
             raise conflict(
                 "content_type_mismatch",
                 f"stream holds {meta.content_type!r}, the append is {spec.content_type!r}",
@@ -367,4 +369,8 @@ def apply_append(state: StreamState, plan: AppendPlan, new_tail: int) -> AppendO
 
 
 def copy_meta(meta: StreamMeta) -> StreamMeta:
-    return replace(meta)
+    """A shallow copy (every field is immutable). Once per append: `dataclasses.replace` runs
+    `__init__` through keyword arguments, ~3 us; this is ~0.3 us."""
+    copy = object.__new__(StreamMeta)
+    copy.__dict__.update(meta.__dict__)
+    return copy
