@@ -8,7 +8,7 @@ VENV_STAMP := $(VENV)/.installed
 NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
-.PHONY: serve test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
+.PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
 	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture
 
@@ -30,6 +30,11 @@ $(NPM_STAMP): conformance/package.json conformance/package-lock.json
 serve: $(VENV_STAMP)
 	$(VENV)/bin/streamkeep serve $(ARGS)
 
+## Two single-writer processes behind HAProxy on port 4437 (streams placed by a hash of their
+## names; data under data/cluster). Forks and subscriptions across processes are not there yet.
+serve-cluster: $(VENV_STAMP) system-tools
+	$(VENV)/bin/streamkeep cluster run --processes 2 --port 4437 --data-dir data/cluster $(ARGS)
+
 ## Every test: lint, our own tests, the official conformance suite over HTTP/1.1 and HTTPS+h2,
 ## on memory and on disk storage.
 test: lint unit conformance
@@ -43,9 +48,10 @@ unit: $(VENV_STAMP) $(NPM_STAMP) system-tools browser-tools
 	$(PY) -m pytest -q
 
 # The fault tests mount a small tmpfs and an ext4 loop image (as root, as CI runs): mkfs.ext4
-# comes from Debian's e2fsprogs.
+# comes from Debian's e2fsprogs. The cluster tests put Debian's haproxy in front of two processes.
 system-tools:
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v mkfs.ext4 >/dev/null || { apt-get update -qq && apt-get install -y -qq e2fsprogs; }
+	@PATH="$$PATH:/usr/sbin:/sbin" command -v haproxy >/dev/null || { apt-get update -qq && apt-get install -y -qq haproxy; }
 
 # The stream browser's tests (tests/test_ui_browser.py) drive the page in headless Chromium through
 # Selenium: Debian's chromium and the chromedriver built for it.

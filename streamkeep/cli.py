@@ -122,6 +122,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip messages that are not State Protocol change or control messages (counted) "
         "instead of stopping",
     )
+    cluster = commands.add_parser(
+        "cluster",
+        help="run streamkeep as several processes behind HAProxy (docs/scaling.md)",
+        description="Tools for a cluster of single-writer processes that own streams by a hash "
+        "of their names ([cluster] in the TOML file: member list and placement epoch).",
+    )
+    cluster_commands = cluster.add_subparsers(dest="cluster_command", metavar="COMMAND")
+    haproxy = cluster_commands.add_parser(
+        "haproxy-config",
+        help="write the HAProxy configuration and slot map for the [cluster] section",
+        description="Writes haproxy.cfg and slots.map into --out: HAProxy routes each stream path "
+        "to its owner by slot (crc32 of the path mod 4096), with no redispatch, and answers 503 "
+        "with Retry-After while an owner is down. Run: haproxy -f OUT/haproxy.cfg",
+    )
+    haproxy.add_argument("--config", metavar="FILE", required=True, help="the TOML file with [cluster]")
+    haproxy.add_argument("--out", metavar="DIR", default=".", help="where to write the two files")
+    haproxy.add_argument("--bind", default="127.0.0.1", help="address HAProxy listens on")
+    haproxy.add_argument("--port", type=int, default=8080, help="port HAProxy listens on")
+    haproxy.add_argument("--tls-cert", default=None, help="a PEM holding certificate and key: TLS with ALPN h2")
+    run = cluster_commands.add_parser(
+        "run",
+        help="run N processes on this machine behind HAProxy (development)",
+        description="Starts N single-writer processes, each with its own data directory under "
+        "--data-dir, and HAProxy in front on --port (HTTP/1.1 and h2c; TLS with ALPN h2 with "
+        "--tls-cert/--tls-key). Any other flag is a serve flag, given to every process (e.g. "
+        "--storage memory, --fsync always). Stops them all on Ctrl-C or SIGTERM.",
+    )
+    run.add_argument("--processes", type=int, default=2, help="how many processes (default 2)")
+    run.add_argument("--port", type=int, default=4437, help="the front door's port (default 4437)")
+    run.add_argument("--host", default="127.0.0.1", help="the front door's address")
+    run.add_argument("--data-dir", default="data/cluster", help="one directory per process below this")
+    run.add_argument("--tls-cert", default=None, help="PEM certificate for the front door (with --tls-key)")
+    run.add_argument("--tls-key", default=None, help="PEM private key for the front door")
     return parser
 
 
@@ -306,7 +339,11 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "cluster" and getattr(args, "cluster_command", None) == "run":
+        return _cluster_run(args, extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "archive":
         return _archive(args)
     if args.command == "migrate":
@@ -315,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         return _sign(args)
     if args.command == "compact":
         return _compact(args)
+    if args.command == "cluster":
+        if args.cluster_command == "haproxy-config":
+            return _haproxy_config(args)
+        parser.parse_args(["cluster", "--help"])
+        return 2
     if args.command != "serve":
         parser.print_help()
         return 2
@@ -352,6 +394,56 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 1
+    return 0
+
+
+def _cluster_run(args: argparse.Namespace, serve_args: list[str]) -> int:
+    from pathlib import Path
+
+    from streamkeep.cluster.run import ClusterError, run
+
+    try:
+        return run(
+            processes=args.processes, port=args.port, data_dir=Path(args.data_dir), host=args.host,
+            tls_cert=args.tls_cert, tls_key=args.tls_key, serve_args=serve_args,
+        )  # fmt: skip
+    except ClusterError as error:
+        print(f"streamkeep cluster run: {error}", file=sys.stderr)
+        return 2
+
+
+def _haproxy_config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from streamkeep.cluster import haproxy
+    from streamkeep.cluster.placement import Member, Placement
+
+    try:
+        settings = config.load(args.config)
+    except config.ConfigError as error:
+        print(f"streamkeep cluster haproxy-config: {error}", file=sys.stderr)
+        return 2
+    if not settings.cluster.members:
+        print(
+            f"streamkeep cluster haproxy-config: {args.config} has no [cluster] members; add "
+            'members = [{id = "a", address = "127.0.0.1:7001"}, ...]',
+            file=sys.stderr,
+        )
+        return 2
+    placement = Placement.of([Member(m, a) for m, a in settings.cluster.members], settings.cluster.epoch)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    map_path = out / "slots.map"
+    map_path.write_text(haproxy.slot_map(placement))
+    live = max(settings.server.long_poll_timeout, settings.server.sse_close_after)
+    text = haproxy.config(
+        placement, map_path=str(map_path.resolve()), bind=args.bind, port=args.port, tls_cert=args.tls_cert,
+        live_seconds=live,
+    )  # fmt: skip
+    (out / "haproxy.cfg").write_text(text)
+    for member in placement.members:
+        print(f"member {member.id} at {member.address}: {placement.slots_of(member.id)} slots")
+    print(f"wrote {out / 'haproxy.cfg'} and {map_path} (epoch {placement.epoch}); run: haproxy -f {out / 'haproxy.cfg'}")
     return 0
 
 

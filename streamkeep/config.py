@@ -586,6 +586,32 @@ SETTINGS: tuple[Setting, ...] = (
         flag="--retention-interval",
     ),
     Setting(
+        "cluster",
+        "member",
+        text,
+        "",
+        "this process's id among the [cluster] members of the TOML file (empty: not in a cluster); "
+        "each stream is served by the member that owns it (docs/scaling.md)",
+        flag="--cluster-member",
+    ),
+    Setting(
+        "cluster",
+        "secret",
+        text,
+        "",
+        "the secret cluster members sign requests they forward to each other with (the same on every "
+        "member; without it a member refuses streams it does not own instead of forwarding them)",
+        flag="--cluster-secret",
+    ),
+    Setting(
+        "cluster",
+        "epoch",
+        positive_int,
+        1,
+        "the version of the [cluster] member list; members stamped with another refuse each other",
+        flag="--cluster-epoch",
+    ),
+    Setting(
         "ui",
         "enabled",
         boolean,
@@ -637,6 +663,7 @@ def load(
     """Effective settings as `settings.server.port` etc.; raises ConfigError naming the setting."""
     values: dict[tuple[str, str], Any] = {(s.section, s.name): s.default for s in SETTINGS}
     rules: list[dict[str, Any]] = []
+    members: list[tuple[str, str]] = []
     by_key = {(s.section, s.name): s for s in SETTINGS}
     by_key.update({(s.section, old): s for s in SETTINGS for old in s.old_names})
     if config_file:
@@ -653,6 +680,9 @@ def load(
                 continue
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+            if section == "cluster" and "members" in table:
+                table = dict(table)
+                members = _cluster_members(table.pop("members"), path)
             for name, raw in table.items():
                 setting = by_key.get((section, name))
                 if setting is None:
@@ -698,7 +728,32 @@ def load(
     for (section, name), value in values.items():
         sections.setdefault(section, {})[name] = value
     sections["retention"]["rules"] = rules
+    sections["cluster"]["members"] = members
+    member = values[("cluster", "member")]
+    if member and member not in [member_id for member_id, _ in members]:
+        raise ConfigError(
+            f"cluster.member {member!r} is not one of the [cluster] members "
+            f"({', '.join(m for m, _ in members) or 'none listed'}): list every member in the TOML file"
+        )
     return SimpleNamespace(**{section: SimpleNamespace(**items) for section, items in sections.items()})
+
+
+def _cluster_members(raw: Any, path: Path) -> list[tuple[str, str]]:
+    """`members = [{id = "a", address = "127.0.0.1:7001"}, ...]` in `[cluster]`."""
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{path}: [cluster] members must be a list of {{id = ..., address = ...}} tables")
+    members: list[tuple[str, str]] = []
+    for number, entry in enumerate(raw, 1):
+        if not isinstance(entry, dict) or set(entry) != {"id", "address"}:
+            raise ConfigError(f"{path}: [cluster] member number {number} needs exactly id and address")
+        member_id, address = str(entry["id"]), str(entry["address"])
+        host, _, port_text = address.rpartition(":")
+        if not member_id or not host or not port_text.isdigit():
+            raise ConfigError(f"{path}: [cluster] member {member_id!r}: address must be host:port, not {address!r}")
+        if member_id in [m for m, _ in members]:
+            raise ConfigError(f"{path}: [cluster] member id {member_id!r} is listed twice")
+        members.append((member_id, address))
+    return members
 
 
 def _retention_rules(tables: list[Any], path: Path) -> list[dict[str, Any]]:

@@ -24,6 +24,8 @@ from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth.errors import AuthError
 from streamkeep.auth.gate import Gate, auth_response
 from streamkeep.auth.tokens import Principal
+from streamkeep.cluster.forward import Forwarder, forwarded_by
+from streamkeep.cluster.placement import Member, Placement
 from streamkeep.compaction import Compactor
 from streamkeep.health import Health
 from streamkeep.live import Batch, LiveStream, ReadView
@@ -52,6 +54,12 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 def alive() -> Response:
     """`/healthz`: the liveness probe, on the main port and the metrics port alike."""
     return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
+
+
+def stale_placement(why: str) -> ProtocolError:
+    return ProtocolError(
+        503, "stale_placement", f"{why}; retry once the cluster agrees on its members", [("Retry-After", "1")]
+    )
 
 
 def not_ready(reason: str) -> ProtocolError:
@@ -99,6 +107,11 @@ class Service:
         self.registry: RegistryKeeper | None = None
         # The stream browser's files at /ui/ (None: off, 404), set up by the server.
         self.ui: UiFiles | None = None
+        # In a cluster: who owns which stream, and which member this process is (None: alone).
+        self.placement: Placement | None = None
+        self.member_id = ""
+        self.cluster_secret = ""
+        self.forwarder: Forwarder | None = None  # None: refuse strangers' streams instead (421)
         self._live: dict[tuple[str, int], LiveStream] = {}
         # Where live fan-out runs its push loops; without one, subscribers wake and send themselves.
         self.nursery: trio.Nursery | None = None
@@ -150,6 +163,10 @@ class Service:
         route: routes.Route | None = None
         try:
             route = routes.classify(request)
+            if self.placement is not None:
+                owner = self._owner_elsewhere(route, request)
+                if owner is not None:
+                    return self._forward(request, route, owner, started)
             if (route.kind != routes.APPEND and route.kind != routes.CLOSE) or self.not_ready is not None:
                 return self._handle(request, started, route)
             if self.registry is not None:
@@ -179,6 +196,10 @@ class Service:
                 if self.gate is not None:
                     self.gate.authorize(principal, route, request)
                     request.principal = principal
+                if self.placement is not None:
+                    owner = self._owner_elsewhere(route, request)
+                    if owner is not None:
+                        return await self._forward(request, route, owner, started, principal)
             response = await self._route(request, route)
         except AuthError as err:
             response = auth_response(err)
@@ -190,6 +211,54 @@ class Service:
         except Exception as error:
             response = self._failure(error, request)
         return self._finish(response, request, kind, principal, started)
+
+    def _owner_elsewhere(self, route: routes.Route, request: Request) -> Member | None:
+        """In a cluster, the member to forward to if another one owns the stream (None: it is ours).
+
+        Refuses what must not be served here: a request routed under another placement epoch, or
+        forwarded to us by a member that thinks we own a stream we do not (maps that disagree must
+        never make two owners), and, without a cluster secret to forward with, a stranger's stream."""
+        placement = self.placement
+        assert placement is not None
+        by = forwarded_by(request, self.cluster_secret, placement.members)
+        if route.name is None:
+            return None
+        epoch = request.headers.get("streamkeep-placement-epoch")
+        if epoch is not None and epoch != str(placement.epoch):
+            raise stale_placement(f"the request was routed by placement epoch {epoch[:20]}, this member runs {placement.epoch}")
+        owner = placement.owner(route.name)
+        if owner.id != self.member_id:
+            if by is not None:
+                raise stale_placement(f"member {by!r} forwarded a stream that member {owner.id!r} owns")
+            if self.forwarder is None:
+                raise ProtocolError(
+                    421,
+                    "not_owner",
+                    f"stream {route.name[:200]!r} belongs to cluster member {owner.id!r}, this is "
+                    f"{self.member_id!r}; send it through the load balancer",
+                    [("Streamkeep-Owner", owner.id)],
+                )
+            return owner
+        if route.fork_source is not None and placement.owner(route.fork_source).id != self.member_id:
+            raise ProtocolError(
+                409,
+                "fork_across_members",
+                f"the fork source {route.fork_source[:200]!r} lives on cluster member "
+                f"{placement.owner(route.fork_source).id!r}; forks across members are not supported yet",
+            )
+        return None
+
+    async def _forward(
+        self, request: Request, route: routes.Route, owner: Member, started: float, principal: Principal | None = None
+    ) -> Response:
+        assert self.forwarder is not None
+        try:
+            response = await self.forwarder.forward(request, owner)
+        except Exception as error:
+            response = self._failure(error, request)
+            return self._finish(response, request, route.kind, principal, started)
+        # The owner's answer carries its own CORS and safety headers already.
+        return self._finish(response, request, route.kind, principal, started, relayed=True)
 
     async def _answer_append(
         self, request: Request, route: routes.Route, started: float, pending: PendingAppend
@@ -210,16 +279,25 @@ class Service:
         )
 
     def _finish(
-        self, response: Response, request: Request, kind: str, principal: Principal | None, started: float
+        self,
+        response: Response,
+        request: Request,
+        kind: str,
+        principal: Principal | None,
+        started: float,
+        *,
+        relayed: bool = False,
     ) -> Response:
-        """What every response carries (CORS, sandbox, Vary) and the request's accounting."""
-        response.headers.extend(self.cors.headers(request.headers))
-        if kind != routes.UI or self.ui is None:
-            # Only the UI's own files may run script in this origin: a stream of text/html or
-            # image/svg+xml opened directly renders in an opaque origin, away from the UI's token.
-            response.headers.append(responses.SANDBOX)
-        if self.gate is not None:
-            response.headers.append(("Vary", "Authorization"))
+        """What every response carries (CORS, sandbox, Vary; a relayed one has them from its
+        member) and the request's accounting."""
+        if not relayed:
+            response.headers.extend(self.cors.headers(request.headers))
+            if kind != routes.UI or self.ui is None:
+                # Only the UI's own files may run script in this origin: a stream of text/html or
+                # image/svg+xml opened directly renders in an opaque origin, away from the UI's token.
+                response.headers.append(responses.SANDBOX)
+            if self.gate is not None:
+                response.headers.append(("Vary", "Authorization"))
         if self.request_stats is not None:
             subject = principal.subject if principal is not None else None
             if response.stream is not None:
@@ -351,6 +429,18 @@ class Service:
             [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
             json.dumps(body).encode(),
         )
+
+    def cluster_stats(self) -> dict[str, object]:
+        """This member's place in its cluster, for /stats (each member reports its own streams)."""
+        placement = self.placement
+        assert placement is not None
+        return {
+            "member": self.member_id,
+            "epoch": placement.epoch,
+            "members": {m.id: {"address": m.address, "slots": placement.slots_of(m.id)} for m in placement.members},
+            "forwarding": self.forwarder is not None,
+            "forwarded_requests": 0 if self.forwarder is None else self.forwarder.forwarded,
+        }
 
     def live_readers_by_stream(self) -> Counter[str]:
         """Live readers (long-poll, SSE) now, by stream name, for the admin API."""

@@ -19,6 +19,8 @@ from hypercorn.trio import serve as hypercorn_serve
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth import setup as auth_setup
 from streamkeep.background import supervised
+from streamkeep.cluster.forward import Forwarder
+from streamkeep.cluster.placement import SLOTS, Member, Placement
 from streamkeep.compaction import Compactor
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
@@ -174,6 +176,23 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
         service.gate = gate
         if settings.ui.enabled:
             service.ui = UiFiles()
+        if settings.cluster.member:
+            members = [Member(member_id, address) for member_id, address in settings.cluster.members]
+            service.placement = Placement.of(members, settings.cluster.epoch)
+            service.member_id = settings.cluster.member
+            service.cluster_secret = settings.cluster.secret
+            service.stats_sources["cluster"] = service.cluster_stats
+            if settings.cluster.secret:
+                live = max(settings.server.long_poll_timeout, settings.server.sse_close_after)
+                service.forwarder = Forwarder(settings.cluster.member, settings.cluster.secret, live + 30)
+            log.info(
+                "cluster member %r of %d (placement epoch %d): serving %d of %d slots",
+                service.member_id,
+                len(members),
+                settings.cluster.epoch,
+                service.placement.slots_of(service.member_id),
+                SLOTS,
+            )
         access_log = None
         if settings.log.access_log:
             access_log = AccessLog(

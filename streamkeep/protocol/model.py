@@ -33,6 +33,9 @@ class Headers:
     def get(self, name: str, default: str | None = None) -> str | None:
         return self._values.get(name.lower(), default)
 
+    def items(self) -> list[tuple[str, str]]:
+        return list(self._values.items())
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._values
 

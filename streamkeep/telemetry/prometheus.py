@@ -99,6 +99,12 @@ class StreamkeepCollector:
         yield CounterMetricFamily(
             PREFIX + "appended_bytes", "Bytes of acknowledged appends", value=service.appended_bytes
         )
+        if service.forwarder is not None:
+            yield CounterMetricFamily(
+                PREFIX + "cluster_forwarded_requests",
+                "Requests handed to the cluster member that owns their stream",
+                value=service.forwarder.forwarded,
+            )
 
     # ---- streams and live readers ----------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Running streams across several single-writer processes: placement, and the load balancer's view."""

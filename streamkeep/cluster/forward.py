@@ -1,0 +1,116 @@
+"""Handing a request to the member that owns its stream, and knowing a fellow member's request.
+
+HAProxy routes by the path as it was sent; a name percent-encoded another way (`%61` for `a`)
+hashes to another slot and reaches a member that does not own it. That member forwards the
+request to the owner over HTTP/1.1 and streams the answer back (SSE and long-polls included):
+clients cannot reach the members' internal addresses, so there is no redirect.
+
+Members authenticate each other with the cluster secret: a forwarded request carries
+`Streamkeep-Forwarded: <member> <unix time> <HMAC-SHA256(secret, member, time, method, target)>`.
+It is also the loop guard: a member never forwards a request that was forwarded to it (two
+members disagreeing about the owner answer 503 until their placement epochs agree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+
+from streamkeep.cluster.placement import Member
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.model import Request, Response
+
+HEADER = "streamkeep-forwarded"
+MAX_SKEW_SECONDS = 60
+# Hop-by-hop headers (RFC 9110 §7.6.1) and what the edges set themselves stay behind.
+_NOT_FORWARDED = frozenset(
+    ("connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "host", "content-length")
+)
+
+
+def signature(secret: str, member: str, stamp: int, method: str, target: str) -> str:
+    message = f"{member}\n{stamp}\n{method}\n{target}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def stamp_header(secret: str, member: str, method: str, target: str, now: float | None = None) -> str:
+    stamp = int(time.time() if now is None else now)
+    return f"{member} {stamp} {signature(secret, member, stamp, method, target)}"
+
+
+def forwarded_by(request: Request, secret: str, members: tuple[Member, ...], now: float | None = None) -> str | None:
+    """The member that forwarded `request`, None if no member did; 403 for a header that does not
+    verify (a client cannot pass itself off as a member)."""
+    value = request.headers.get(HEADER)
+    if value is None:
+        return None
+    parts = value.split(" ")
+    current = time.time() if now is None else now
+    if (
+        not secret
+        or len(parts) != 3
+        or parts[0] not in {member.id for member in members}
+        or not parts[1].isdigit()
+        or abs(current - int(parts[1])) > MAX_SKEW_SECONDS
+        or not hmac.compare_digest(parts[2], signature(secret, parts[0], int(parts[1]), request.method, request.target))
+    ):
+        raise ProtocolError(403, "bad_cluster_signature", "Streamkeep-Forwarded is for cluster members only")
+    return parts[0]
+
+
+class Forwarder:
+    """One connection pool to the other members; closed with the server."""
+
+    def __init__(self, member: str, secret: str, read_timeout: float) -> None:
+        self.member = member
+        self.secret = secret
+        self.forwarded = 0
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=2.0, read=read_timeout, write=30.0, pool=5.0),
+            follow_redirects=False,
+            trust_env=False,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def forward(self, request: Request, owner: Member) -> Response:
+        headers = [(name, value) for name, value in request.headers.items() if name not in _NOT_FORWARDED]
+        headers.append((HEADER, stamp_header(self.secret, self.member, request.method, request.target)))
+        outgoing = self._client.build_request(
+            request.method, f"http://{owner.address}{request.target}", headers=headers, content=request.body
+        )
+        try:
+            answer = await self._client.send(outgoing, stream=True)
+        except httpx.HTTPError:
+            raise ProtocolError(
+                503,
+                "owner_unavailable",
+                f"cluster member {owner.id!r}, which owns this stream, is not reachable; retry shortly",
+                [("Retry-After", "1")],
+            ) from None
+        self.forwarded += 1
+        kept = [(name, value) for name, value in answer.headers.multi_items() if name.lower() not in _NOT_FORWARDED]
+        if "content-length" in answer.headers or request.method == "HEAD" or answer.status_code in (204, 304):
+            try:
+                body = await answer.aread()
+            finally:
+                await answer.aclose()
+            return Response(answer.status_code, kept, b"" if request.method == "HEAD" else body)
+        return Response(answer.status_code, kept, stream=_relay(answer))
+
+
+async def _relay(answer: httpx.Response) -> AsyncIterator[bytes]:
+    """A streaming answer (SSE, a long-poll) as it comes; closing it closes the member's response."""
+    try:
+        async for chunk in answer.aiter_raw():
+            if chunk:
+                yield chunk
+    except httpx.HTTPError:
+        return  # the owner went away mid-stream: the client resumes from its last offset
+    finally:
+        await answer.aclose()
