@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
-	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark profile crash-test soak system-tools browser-tools h2load venv clean \
+	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture
 
 venv: $(VENV_STAMP)
@@ -105,7 +105,11 @@ $(RAKAIA_STAMP): ops/bench/rakaia-requirements.txt
 h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
 
-bench: bench-load bench-auth bench-compaction bench-recovery bench-cold bench-spark
+bench: bench-load bench-auth bench-compaction bench-recovery bench-cold bench-spark bench-cluster
+
+## Appends through HAProxy to two processes beside one process direct, HTTP/1.1 and h2c (~1 min).
+bench-cluster: $(VENV_STAMP) system-tools h2load
+	$(PY) -m ops.bench_cluster
 
 ## Compaction of a 1 GiB State Protocol stream (100k keys): time, peak memory, other streams' latency.
 bench-compaction: $(VENV_STAMP)
