@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
-	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster profile crash-test soak system-tools browser-tools h2load venv clean \
+	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture
 
 venv: $(VENV_STAMP)
@@ -106,6 +106,11 @@ h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
 
 bench: bench-load bench-auth bench-compaction bench-recovery bench-cold bench-spark bench-cluster
+
+## What surviving a lost machine would cost an append: fdatasync, a follower's round trip, S3 PUTs on
+## moto (docs/scaling.md; ~10 s).
+bench-ha: $(VENV_STAMP)
+	$(PY) -m ops.bench_ha
 
 ## Appends through HAProxy to two processes beside one process direct, HTTP/1.1 and h2c (~1 min).
 bench-cluster: $(VENV_STAMP) system-tools h2load
