@@ -729,6 +729,9 @@ def load(
         sections.setdefault(section, {})[name] = value
     sections["retention"]["rules"] = rules
     sections["cluster"]["members"] = members
+    cluster_secret = values[("cluster", "secret")]
+    if cluster_secret and len(cluster_secret.encode()) < 32:
+        raise ConfigError("cluster.secret: use at least 32 bytes (e.g. `openssl rand -base64 32`)")
     member = values[("cluster", "member")]
     if member and member not in [member_id for member_id, _ in members]:
         raise ConfigError(
@@ -748,7 +751,9 @@ def _cluster_members(raw: Any, path: Path) -> list[tuple[str, str]]:
             raise ConfigError(f"{path}: [cluster] member number {number} needs exactly id and address")
         member_id, address = str(entry["id"]), str(entry["address"])
         host, _, port_text = address.rpartition(":")
-        if not member_id or not host or not port_text.isdigit():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", member_id):
+            raise ConfigError(f"{path}: [cluster] member id {member_id!r}: use letters, digits, '_', '.', '-'")
+        if not host or not port_text.isdigit():
             raise ConfigError(f"{path}: [cluster] member {member_id!r}: address must be host:port, not {address!r}")
         if member_id in [m for m, _ in members]:
             raise ConfigError(f"{path}: [cluster] member id {member_id!r} is listed twice")

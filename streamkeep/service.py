@@ -300,7 +300,7 @@ class Service:
                 response.headers.append(("Vary", "Authorization"))
         if self.request_stats is not None:
             subject = principal.subject if principal is not None else None
-            if response.stream is not None:
+            if response.stream is not None and not relayed:
                 response.stream = self._counted(response.stream, response, request, kind, started, subject)
             else:
                 self.request_stats.finish(
@@ -309,7 +309,7 @@ class Service:
                     status=response.status,
                     http_version=request.http_version,
                     started=started,
-                    sent=len(response.body),
+                    sent=len(response.body),  # a relayed stream's bytes are counted by its owner
                     client=request.client,
                     target=request.target,
                     subject=subject,

@@ -10,6 +10,7 @@ Retry-After until it is back with every acknowledged append.
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import shutil
 import signal
 import socket
@@ -173,6 +174,8 @@ def test_streams_land_on_their_owners_and_a_killed_member_costs_only_its_own(clu
         ('[cluster]\nmembers = [{id = "a", address = "nohost"}]\n', "a", "address must be host:port"),
         ('[cluster]\nmembers = [{id = "a", address = "h:1"}, {id = "a", address = "h:2"}]\n', "a", "listed twice"),
         ("[cluster]\nmembers = []\n", "a", "must be a list"),
+        ('[cluster]\nmembers = [{id = "a b", address = "h:1"}]\n', "a b", "use letters, digits"),
+        ('[cluster]\nsecret = "short"\nmembers = [{id = "a", address = "h:1"}]\n', "a", "at least 32 bytes"),
     ],
 )
 def test_a_bad_cluster_section_is_refused_with_what_to_fix(tmp_path: Path, toml: str, member: str, says: str) -> None:
@@ -253,6 +256,13 @@ def test_a_member_forwards_streams_it_does_not_own_and_guards_against_loops(clus
             time.sleep(0.3)
             assert h1.post(f"{b}/v1/stream/{name}", content=b"three,", headers=text).status_code == 204
             assert waiting.result(10).content == b"three,"
+        # A target httpx would encode differently ("{" sent raw) is signed as it is sent.
+        odd_name = next(n for n in (f"fw/{{{i}}}" for i in range(64)) if cluster.placement.owner(n).id == "b")
+        raw = http.client.HTTPConnection("127.0.0.1", cluster.ports["a"], timeout=10)
+        raw.request("PUT", f"/v1/stream/{odd_name}", headers=text)
+        assert raw.getresponse().status == 201
+        raw.close()
+        assert h1.head(f"{b}/v1/stream/{odd_name}").status_code == 200
         # Names sent percent-encoded another way hash to another slot at HAProxy; members hand on.
         for other in names:
             odd = "%" + other.encode()[0:1].hex().upper() + other[1:]  # "%66w/3" for "fw/3"
@@ -309,8 +319,35 @@ def test_a_forwarded_header_verifies_only_for_a_member_with_the_secret_the_targe
         (request(stamp_header(SECRET, "z", "GET", "/v1/stream/x", now)), SECRET, now),  # not a member
         (request("a 1 2 3"), SECRET, now),
         (request(good), "", now),  # this member has no secret: it trusts no one
+        (request(f"a {int(now)} " + "é" * 64), SECRET, now),  # not hex: refused, never a 500
     ]
     for candidate, secret, at in refused:
         with pytest.raises(ProtocolError) as error:
             forwarded_by(candidate, secret, roster, at)
         assert error.value.status == 403
+
+
+async def test_an_actor_that_was_handed_a_message_does_not_hibernate() -> None:
+    """Found in review: a message sent to an actor waiting on its mailbox goes straight to the
+    actor and sits in no buffer; the hibernation sweep must still see it (or a second actor would
+    start and run appends directly while the first still handles that message)."""
+    import trio
+
+    from streamkeep.actors.mailbox import Message, Reply
+    from streamkeep.actors.supervisor import Supervisor
+    from streamkeep.protocol.model import Headers
+    from streamkeep.protocol.stream import CreateSpec
+    from streamkeep.storage.memory import MemoryStorage
+
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 20), nursery)
+        spec = CreateSpec.from_request(Headers([("Content-Type", "text/plain")]), b"")
+        await supervisor.call("s", "create", spec, must_exist=False)
+        actor = supervisor.actor("s", must_exist=True)
+        await trio.testing.wait_all_tasks_blocked()  # the actor waits on its mailbox
+        actor._queued += 1  # what StreamActor.call does before its send, which hands it over
+        actor._send.send_nowait(Message(actor.head, (), Reply()))
+        assert actor._receive.statistics().current_buffer_used == 0
+        assert not actor.hibernate_if_idle(trio.current_time() + 3600)
+        assert supervisor.actor("s", must_exist=True) is actor
+        nursery.cancel_scope.cancel()

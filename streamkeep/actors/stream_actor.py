@@ -153,11 +153,13 @@ class StreamActor:
         now = _NOW.get(handler_name)
         if now is None or self.busy or self._queued or not self.alive:
             raise NotNow
+        self.busy = True  # a listener calling back into this actor meanwhile takes the mailbox
         try:
             return getattr(self, now)(*args)
         except STORAGE_ERRORS as error:
             raise as_protocol_error(error, self.name) from None
         finally:
+            self.busy = False
             self.last_active = trio.current_time()
 
     async def run(self) -> None:
@@ -191,7 +193,8 @@ class StreamActor:
         """Ends the actor if it has been idle since `idle_since` and nothing needs it; the
         supervisor's sweep calls it. No checkpoint between the check and closing the mailbox, so
         no message can slip into a mailbox that nobody will read."""
-        if self.busy or self.last_active > idle_since or not self._can_hibernate():
+        # `_queued` too: a message handed straight to a waiting actor is in no buffer yet.
+        if self.busy or self._queued or self.last_active > idle_since or not self._can_hibernate():
             return False
         self.alive = False
         self._supervisor.forget(self)

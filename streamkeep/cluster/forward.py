@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 
@@ -25,6 +25,7 @@ from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
 
 HEADER = "streamkeep-forwarded"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_SKEW_SECONDS = 60
 # Hop-by-hop headers (RFC 9110 §7.6.1) and what the edges set themselves stay behind.
 _NOT_FORWARDED = frozenset(
@@ -56,10 +57,20 @@ def forwarded_by(request: Request, secret: str, members: tuple[Member, ...], now
         or parts[0] not in {member.id for member in members}
         or not parts[1].isdigit()
         or abs(current - int(parts[1])) > MAX_SKEW_SECONDS
+        or not _HEX64.fullmatch(parts[2])
         or not hmac.compare_digest(parts[2], signature(secret, parts[0], int(parts[1]), request.method, request.target))
     ):
         raise ProtocolError(403, "bad_cluster_signature", "Streamkeep-Forwarded is for cluster members only")
     return parts[0]
+
+
+def unavailable(owner: Member) -> ProtocolError:
+    return ProtocolError(
+        503,
+        "owner_unavailable",
+        f"cluster member {owner.id!r}, which owns this stream, is not reachable; retry shortly",
+        [("Retry-After", "1")],
+    )
 
 
 class Forwarder:
@@ -71,6 +82,9 @@ class Forwarder:
         self.forwarded = 0
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=2.0, read=read_timeout, write=30.0, pool=5.0),
+            # No cap on connections: each forwarded live read holds one for minutes, and a cap would
+            # make every other forwarded request wait behind them.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             follow_redirects=False,
             trust_env=False,
         )
@@ -80,37 +94,49 @@ class Forwarder:
 
     async def forward(self, request: Request, owner: Member) -> Response:
         headers = [(name, value) for name, value in request.headers.items() if name not in _NOT_FORWARDED]
-        headers.append((HEADER, stamp_header(self.secret, self.member, request.method, request.target)))
         outgoing = self._client.build_request(
             request.method, f"http://{owner.address}{request.target}", headers=headers, content=request.body
         )
+        # Signed as it will be sent: httpx percent-encodes some characters a client may send raw.
+        target = outgoing.url.raw_path.decode("ascii")
+        outgoing.headers[HEADER] = stamp_header(self.secret, self.member, request.method, target)
         try:
             answer = await self._client.send(outgoing, stream=True)
         except httpx.HTTPError:
-            raise ProtocolError(
-                503,
-                "owner_unavailable",
-                f"cluster member {owner.id!r}, which owns this stream, is not reachable; retry shortly",
-                [("Retry-After", "1")],
-            ) from None
+            raise unavailable(owner) from None
         self.forwarded += 1
         kept = [(name, value) for name, value in answer.headers.multi_items() if name.lower() not in _NOT_FORWARDED]
         if "content-length" in answer.headers or request.method == "HEAD" or answer.status_code in (204, 304):
             try:
                 body = await answer.aread()
+            except httpx.HTTPError:
+                raise unavailable(owner) from None
             finally:
                 await answer.aclose()
             return Response(answer.status_code, kept, b"" if request.method == "HEAD" else body)
-        return Response(answer.status_code, kept, stream=_relay(answer))
+        return Response(answer.status_code, kept, stream=_Relay(answer))
 
 
-async def _relay(answer: httpx.Response) -> AsyncIterator[bytes]:
-    """A streaming answer (SSE, a long-poll) as it comes; closing it closes the member's response."""
-    try:
-        async for chunk in answer.aiter_raw():
+class _Relay:
+    """A streaming answer (SSE, a long-poll) passed on as it comes. An object rather than a
+    generator: closing it closes the member's response even if it was never iterated (the client
+    left before the head went out), which a generator's `finally` would not."""
+
+    def __init__(self, answer: httpx.Response) -> None:
+        self._answer = answer
+        self._chunks = answer.aiter_raw()
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            try:
+                chunk = await self._chunks.__anext__()
+            except httpx.HTTPError:
+                raise StopAsyncIteration from None  # the owner went away: the client resumes by offset
             if chunk:
-                yield chunk
-    except httpx.HTTPError:
-        return  # the owner went away mid-stream: the client resumes from its last offset
-    finally:
-        await answer.aclose()
+                return chunk
+
+    async def aclose(self) -> None:
+        await self._answer.aclose()

@@ -282,9 +282,15 @@ async def _send_streaming(stream: trio.abc.Stream, response: Response, stall_tim
     event), or it took no bytes for `stall_timeout`. The kernel's socket buffer is the only
     per-subscriber buffer; a reader cut off resumes by offset.
     """
-    await stream.send_all(_head(response, b"transfer-encoding: chunked\r\n\r\n"))
     iterator = response.stream
     assert iterator is not None
+    try:
+        await stream.send_all(_head(response, b"transfer-encoding: chunked\r\n\r\n"))
+    except BaseException:
+        # Closed even so: a forwarded answer holds a connection to its member (shielded, bounded).
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await iterator.aclose()  # type: ignore[attr-defined]
+        raise
     received = bytearray()
     done_for = False
 

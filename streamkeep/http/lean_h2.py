@@ -130,7 +130,8 @@ class _H2Connection:
                         break
                     self.handle(events)
                     self.write_queued()
-                idle = not self.streams
+                # Not idle while answers already given wait to be written.
+                idle = not self.streams and not self._unsent and not self.send_lock.locked()
                 if idle:
                     self.connections.waiting(self.scope)
                     if self.connections.closing:
@@ -353,10 +354,10 @@ class _H2Connection:
             else:
                 self.flush_soon()
             return
-        self.conn.send_headers(stream_id, headers, end_stream=False)
-        await self.flush()
         iterator = response.stream
-        try:
+        try:  # closed even if the head cannot be sent (a forwarded answer holds a connection)
+            self.conn.send_headers(stream_id, headers, end_stream=False)
+            await self.flush()
             async for chunk in iterator:
                 await self.send_data(stream_id, chunk, end=False)
         finally:
@@ -431,7 +432,12 @@ class _H2Connection:
                 data = bytes(self._unsent) + data
                 self._unsent.clear()
             if data:
-                with trio.move_on_after(self.service.options.send_stall_timeout) as waited:
+                # Shielded: a request cancelled meanwhile (its client reset it) must not cut a
+                # write short, which would leave half a frame and break every other stream on
+                # the connection. The stall timeout still bounds it.
+                with trio.CancelScope(shield=True), trio.move_on_after(
+                    self.service.options.send_stall_timeout
+                ) as waited:
                     await self.stream.send_all(data)
                 if waited.cancelled_caught:
                     # The client takes nothing at all; a half-sent frame leaves only closing.
