@@ -209,7 +209,6 @@ class Follower:
 
 
 def bucket_rows(samples: int) -> tuple[list[Row], str]:
-    import boto3
     from botocore.config import Config
     from botocore.exceptions import ClientError
 
@@ -218,15 +217,8 @@ def bucket_rows(samples: int) -> tuple[list[Row], str]:
     moto = Moto()
     moto.start()
     try:
-        client = boto3.client(
-            "s3",
-            endpoint_url=moto.url,
-            aws_access_key_id="test",
-            aws_secret_access_key="test",
-            region_name="us-east-1",
-            config=Config(
-                retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=30
-            ),
+        client = moto.client(
+            Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=5, read_timeout=30)
         )
         client.create_bucket(Bucket="wal")
         rows = []

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import httpx
@@ -56,15 +57,19 @@ class Moto:
             self.process.wait(10)
             self.process = None
 
-    def keys(self, bucket: str, prefix: str = "") -> list[str]:
-        client = boto3.client(
+    def client(self, config: Any = None) -> Any:
+        """A boto3 S3 client of this server (`config`: a botocore Config, e.g. for retries)."""
+        return boto3.client(
             "s3",
             endpoint_url=self.url,
             aws_access_key_id="test",
             aws_secret_access_key="test",
             region_name="us-east-1",
+            config=config,
         )
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
 
