@@ -90,7 +90,7 @@ def main() -> int:
             import jwt
 
             secret = secrets.token_urlsafe(32)
-            server_args += ["--auth-jwt-secret", secret]
+            server_args.append(f"--auth-jwt-secret={secret}")  # one word: a secret may start with "-"
             env["CONFORMANCE_AUTH_TOKEN"] = jwt.encode(
                 {"sub": "conformance", "scope": "admin", "exp": int(time.time()) + 3600}, secret, "HS256"
             )
