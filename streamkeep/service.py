@@ -385,6 +385,8 @@ class Service:
                 self.metrics_page(),
             )
         if kind == routes.STATS:
+            if request.query("cluster")[:1] in (["1"], ["true"]) and self.forwarder is not None:
+                return await self._cluster_stats(request)
             return self._stats()
         if kind == routes.ADMIN_STREAMS:
             if self.not_ready is not None:
@@ -429,6 +431,21 @@ class Service:
             [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
             json.dumps(body).encode(),
         )
+
+    async def _cluster_stats(self, request: Request) -> Response:
+        """`/stats?cluster=1`: every member's /stats side by side, and their sum of the counts that
+        add up; a member that does not answer is listed as unreachable."""
+        assert self.forwarder is not None and self.placement is not None
+        views = await self.forwarder.stats_of(
+            [m for m in self.placement.members if m.id != self.member_id], request.headers.get("authorization")
+        )
+        views[self.member_id] = self.stats()
+        totals = {
+            key: sum(view.get(key, 0) for view in views.values() if isinstance(view.get(key), int))
+            for key in ("streams", "stored_bytes", "actors_active", "live_readers")
+        }
+        body = {"members": views, "totals": totals, "reachable": sum("error" not in v for v in views.values())}
+        return Response(200, [("Content-Type", "application/json"), ("Cache-Control", "no-store")], json.dumps(body).encode())
 
     def cluster_stats(self) -> dict[str, object]:
         """This member's place in its cluster, for /stats (each member reports its own streams)."""

@@ -280,6 +280,15 @@ def test_a_member_forwards_streams_it_does_not_own_and_guards_against_loops(clus
         assert stats["forwarded_requests"] >= 8 and set(stats["members"]) == {"a", "b"}
         metrics = h1.get(f"{a}/metrics").text
         assert f"streamkeep_cluster_forwarded_requests_total {float(stats['forwarded_requests'])}" in metrics
+        # The cluster view: every member's own /stats side by side, from any member or the front door.
+        whole = h1.get(f"{cluster.front}/stats?cluster=1").json()
+        assert whole["reachable"] == 2 and set(whole["members"]) == {"a", "b"}
+        own = {member: h1.get(f"{cluster.direct(member)}/stats").json()["streams"] for member in ("a", "b")}
+        assert {m: v["streams"] for m, v in whole["members"].items()} == own
+        assert whole["totals"]["streams"] == own["a"] + own["b"]
+        cluster.members["b"].stop()
+        partial = h1.get(f"{a}/stats?cluster=1").json()
+        assert partial["reachable"] == 1 and partial["members"]["b"]["error"].startswith("unreachable")
 
 
 class trio_free_long_poll:
