@@ -431,19 +431,16 @@ def _haproxy_config(args: argparse.Namespace) -> int:
         )
         return 2
     placement = Placement.of([Member(m, a) for m, a in settings.cluster.members], settings.cluster.epoch)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    map_path = out / "slots.map"
-    map_path.write_text(haproxy.slot_map(placement))
     live = max(settings.server.long_poll_timeout, settings.server.sse_close_after)
-    text = haproxy.config(
-        placement, map_path=str(map_path.resolve()), bind=args.bind, port=args.port, tls_cert=args.tls_cert,
-        live_seconds=live,
-    )  # fmt: skip
-    (out / "haproxy.cfg").write_text(text)
+    config_path = haproxy.write(
+        placement, Path(args.out), bind=args.bind, port=args.port, tls_cert=args.tls_cert, live_seconds=live
+    )
     for member in placement.members:
         print(f"member {member.id} at {member.address}: {placement.slots_of(member.id)} slots")
-    print(f"wrote {out / 'haproxy.cfg'} and {map_path} (epoch {placement.epoch}); run: haproxy -f {out / 'haproxy.cfg'}")
+    print(
+        f"wrote {config_path} and {config_path.parent / 'slots.map'} (epoch {placement.epoch}); "
+        f"run: haproxy -f {config_path}"
+    )
     return 0
 
 

@@ -23,15 +23,14 @@ import trio
 
 from streamkeep.cluster.placement import Member
 from streamkeep.protocol.errors import ProtocolError
+from streamkeep.protocol.headers import HOP_BY_HOP
 from streamkeep.protocol.model import Request, Response
 
 HEADER = "streamkeep-forwarded"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_SKEW_SECONDS = 60
-# Hop-by-hop headers (RFC 9110 §7.6.1) and what the edges set themselves stay behind.
-_NOT_FORWARDED = frozenset(
-    ("connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "host", "content-length")
-)
+# Hop-by-hop headers and what the edges set themselves stay behind.
+_NOT_FORWARDED = HOP_BY_HOP | {"te", "host", "content-length"}
 
 
 def signature(secret: str, member: str, stamp: int, method: str, target: str) -> str:

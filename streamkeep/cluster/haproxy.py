@@ -15,6 +15,9 @@ live read the server would have ended cleanly.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from streamkeep.cluster.placement import SLOTS, Placement
 from streamkeep.protocol.names import STREAM_PREFIX
 from streamkeep.subscriptions.config import CONTROL_PREFIX
@@ -99,3 +102,14 @@ def config(
             "",
         ]
     return "\n".join(lines)
+
+
+def write(placement: Placement, out: Path, **options: Any) -> Path:
+    """Writes `slots.map` and `haproxy.cfg` (`config`'s keyword options) into `out`; returns the
+    configuration's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    map_path = out / "slots.map"
+    map_path.write_text(slot_map(placement))
+    path = out / "haproxy.cfg"
+    path.write_text(config(placement, map_path=str(map_path.resolve()), **options))
+    return path

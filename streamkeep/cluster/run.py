@@ -143,12 +143,7 @@ def run(
         pem = lb / "tls.pem"
         pem.write_text(Path(tls_cert).read_text() + Path(tls_key).read_text())
         pem.chmod(0o600)
-    (lb / "slots.map").write_text(haproxy.slot_map(placement))
-    map_path = str((lb / "slots.map").resolve())
-    text = haproxy.config(
-        placement, map_path=map_path, bind=host, port=port, tls_cert=None if pem is None else str(pem)
-    )
-    (lb / "haproxy.cfg").write_text(text)
+    config = haproxy.write(placement, lb, bind=host, port=port, tls_cert=None if pem is None else str(pem))
     children: list[tuple[str, subprocess.Popen]] = []  # type: ignore[type-arg]
     stop = False
 
@@ -168,7 +163,6 @@ def run(
             children.append((f"member {member.id}", process))
         for (what, process), member in zip(children, members, strict=True):
             wait_until_up(f"http://{member.address}/healthz", process, what)
-        config = lb / "haproxy.cfg"
         checked = subprocess.run([found, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
         if checked.returncode != 0:
             raise ClusterError(f"haproxy refused {config}: {checked.stdout}{checked.stderr}".strip())

@@ -14,14 +14,14 @@ only read from the socket when the queue cannot answer, so the queue is bounded 
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable
 
 import httptools
 import trio
 
-READ_SIZE = 65536
+from streamkeep.http import sockets
+from streamkeep.http.sockets import READ_SIZE
 
 
 class BadRequest(Exception):
@@ -145,20 +145,14 @@ class RequestReader:
 
         Always a checkpoint: a request already parsed (pipelined) yields to other tasks first, so
         a client pipelining requests cannot keep the event loop to itself."""
-        if self._messages and self._messages[0].head_complete:
+        if self._head_ready():
             await trio.lowlevel.checkpoint()
-            return self._messages[0]
-        if self._upgraded:
-            raise PeerClosed
-        while True:
-            data = await self._receive()
-            if not data:
-                raise PeerClosed
-            self.feed(data)
-            if self._messages and self._messages[0].head_complete:
-                return self._messages[0]
-            if self._upgraded:
-                raise PeerClosed
+        else:
+            await self._receive_until(self._head_ready, None)
+        return self._messages[0]
+
+    def _head_ready(self) -> bool:
+        return bool(self._messages) and self._messages[0].head_complete
 
     async def body(self, message: Message, deadline: float, on_bytes: Callable[[int], None]) -> None:
         """Reads until `message` is complete; `on_bytes(size so far)` may refuse by raising."""
@@ -176,34 +170,30 @@ class RequestReader:
             self._messages.popleft()
         return message.keep_alive and not self._upgraded
 
-    async def _receive_until(self, ready: Callable[[], bool], timeout: float) -> None:
+    async def _receive_until(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        """Reads until `ready()`; TooSlowError after `timeout` seconds (None: no deadline)."""
         if ready():
             return
-        if self._upgraded:
-            raise PeerClosed
+        if timeout is None:
+            await self._read_until(ready)
+            return
         with trio.CancelScope(deadline=trio.current_time() + max(0.0, timeout)) as scope:
-            while True:
-                data = await self._receive()
-                if not data:
-                    raise PeerClosed
-                self.feed(data)
-                if ready():
-                    return
-                if self._upgraded:
-                    raise PeerClosed
+            await self._read_until(ready)
         if scope.cancelled_caught:
             raise trio.TooSlowError
 
-    async def _receive(self) -> bytes:
-        fd = self._fd
-        if fd is None:
-            return await self._stream.receive_some(READ_SIZE)
+    async def _read_until(self, ready: Callable[[], bool]) -> None:
+        if self._upgraded:
+            raise PeerClosed
         while True:
-            await trio.lowlevel.wait_readable(fd)
-            try:
-                return os.read(fd, READ_SIZE)  # the socket is non-blocking
-            except BlockingIOError:
-                continue  # woken without data (rare): wait again
+            data = await sockets.receive(self._stream, self._fd)
+            if not data:
+                raise PeerClosed
+            self.feed(data)
+            if ready():
+                return
+            if self._upgraded:
+                raise PeerClosed
 
 
 __all__ = ["BadRequest", "Message", "PeerClosed", "RequestReader"]

@@ -20,6 +20,7 @@ from http import HTTPStatus
 
 import trio
 
+from streamkeep.http import sockets
 from streamkeep.http.edge import Connections, EdgeLimits, hung_up, rejection
 from streamkeep.http.h1 import READ_SIZE, BadRequest, Message, PeerClosed, RequestReader
 from streamkeep.http.lean_h2 import H2_PREFACE, serve_h2
@@ -229,10 +230,7 @@ async def _send(stream: trio.abc.Stream, fd: int | None, data: bytes) -> None:
     always: the socket buffer is empty between requests), which spares trio's yield around a send;
     the connection's reads are its checkpoints. The rest, if any, goes through trio and waits."""
     if fd is not None:
-        try:
-            sent = os.write(fd, data)
-        except BlockingIOError:
-            sent = 0
+        sent = sockets.write_now(fd, data)
         if sent == len(data):
             return
         data = data[sent:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
@@ -15,11 +14,12 @@ import h2.exceptions
 import h2.settings
 import trio
 
+from streamkeep.http import sockets
 from streamkeep.http.edge import Connections, EdgeLimits, rejection
-from streamkeep.http.h1 import READ_SIZE
 from streamkeep.http.h2_encoder import ResponseEncoder
 from streamkeep.http.h2_requests import malformed
 from streamkeep.protocol.errors import ProtocolError, body_too_large
+from streamkeep.protocol.headers import HOP_BY_HOP
 from streamkeep.protocol.model import Headers, Request, Response
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 IDLE_TIMEOUT = 75.0
-# Hop-by-hop headers are forbidden in HTTP/2 responses.
-_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "upgrade", "proxy-connection"}
 
 
 class _Stream:
@@ -338,7 +336,7 @@ class _H2Connection:
     def _response_headers(self, response: Response) -> list[tuple[bytes, bytes]]:
         headers = [_STATUS.get(response.status) or (b":status", str(response.status).encode())]
         headers += [
-            _h2_header(name, value) for name, value in response.headers if name.lower() not in _HOP_BY_HOP
+            _h2_header(name, value) for name, value in response.headers if name.lower() not in HOP_BY_HOP
         ]
         if response.stream is None and response.status not in (204, 304):
             headers.append((b"content-length", str(len(response.body)).encode()))
@@ -386,14 +384,7 @@ class _H2Connection:
         self.window_changed = trio.Event()
 
     async def receive(self) -> bytes:
-        if self.fd is None:
-            return await self.stream.receive_some(READ_SIZE)
-        while True:
-            await trio.lowlevel.wait_readable(self.fd)
-            try:
-                return os.read(self.fd, READ_SIZE)
-            except BlockingIOError:
-                continue
+        return await sockets.receive(self.stream, self.fd)
 
     def write_queued(self) -> None:
         """Sends what h2 queued: straight into the socket when no flush is under way and the
@@ -402,10 +393,7 @@ class _H2Connection:
         if not data:
             return
         if self.fd is not None and not self._unsent and not self.send_lock.locked():
-            try:
-                sent = os.write(self.fd, data)
-            except BlockingIOError:
-                sent = 0
+            sent = sockets.write_now(self.fd, data)
             if sent == len(data):
                 return
             data = data[sent:]

@@ -16,6 +16,8 @@ _DIGITS = re.compile(r"[0-9]+")
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+")
 DEFAULT_CONTENT_TYPE = "application/octet-stream"
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
+# Hop-by-hop fields (RFC 9110 §7.6.1): never in an HTTP/2 response, never passed on by a proxy.
+HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"))
 
 
 def closed_flag(headers: Headers) -> bool:
