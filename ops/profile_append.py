@@ -49,7 +49,7 @@ epoll with a zero timeout while tasks are runnable.
 
 Without `--native` C code has no frames of its own: llhttp's parsing is `RequestReader.feed`'s self
 time (streamkeep/http/h1.py), and a syscall is its Python caller's: the edge reads and writes plain
-TCP sockets itself (`RequestReader._receive`, lean.py's `_send`, lean_h2.py's `receive` and
+TCP sockets itself (`streamkeep/http/sockets.py`, lean.py's `_send`, lean_h2.py's `receive` and
 `write_queued`), which the rules name as socket I/O, as they do trio's socket methods. The top list
 ranks functions by that self time (the innermost frame), in µs per append.
 
@@ -156,8 +156,8 @@ RULES: tuple[Rule, ...] = (
     # -- files holding several components, by function --
     # The edge reads and writes plain TCP sockets itself (os.read, os.write): without --native a
     # syscall's time is its caller's self time.
+    Rule(SOCKET, "streamkeep/http/sockets.py", ("receive", "write_now")),
     Rule(SOCKET, "streamkeep/http/lean.py", ("_send", "ChunkedPush.write")),
-    Rule(SOCKET, "streamkeep/http/h1.py", ("RequestReader._receive",)),
     Rule(SOCKET, "streamkeep/http/lean_h2.py", ("_H2Connection.receive", "_H2Connection.write_queued")),
     Rule(HTTP1, "streamkeep/http/lean.py", ("_encode", "_head", "_head.*", "_header_line", "reason")),
     Rule(HANDOFF, "streamkeep/actors/stream_actor.py", _MAILBOX),

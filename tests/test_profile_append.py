@@ -49,6 +49,13 @@ def test_llhttp_under_the_h1_reader_is_http1_parsing() -> None:
     assert component(f"{MAIN};{H1};RequestReader.on_header (streamkeep/http/h1.py:100) 1") == pa.HTTP1
 
 
+def test_the_edges_own_reads_and_writes_are_socket_io() -> None:
+    read = f"{MAIN};{H1};RequestReader._read_until (streamkeep/http/h1.py:190);receive (streamkeep/http/sockets.py:28) 4"
+    assert component(read) == pa.SOCKET
+    # The parsing that follows the read is not.
+    assert component(f"{MAIN};{H1};RequestReader._read_until (streamkeep/http/h1.py:192);RequestReader.feed (streamkeep/http/h1.py:131) 1") == pa.HTTP1
+
+
 def test_trio_called_from_storage_is_trio_scheduling() -> None:
     line = (
         f"{MAIN};{NOW};StreamActor._append_now (streamkeep/actors/stream_actor.py:474);"
