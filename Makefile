@@ -8,7 +8,7 @@ VENV_STAMP := $(VENV)/.installed
 NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
-.PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth \
+.PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
 	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture
 
@@ -31,12 +31,12 @@ serve: $(VENV_STAMP)
 	$(VENV)/bin/streamkeep serve $(ARGS)
 
 ## Two single-writer processes behind HAProxy on port 4437 (streams placed by a hash of their
-## names; data under data/cluster). Forks and subscriptions across processes are not there yet.
+## names; data under data/cluster; forks, subscriptions and __registry__ work across them).
 serve-cluster: $(VENV_STAMP) system-tools
 	$(VENV)/bin/streamkeep cluster run --processes 2 --port 4437 --data-dir data/cluster $(ARGS)
 
 ## Every test: lint, our own tests, the official conformance suite over HTTP/1.1 and HTTPS+h2,
-## on memory and on disk storage.
+## on memory and on disk storage, and through the front door of a 2-process cluster.
 test: lint unit conformance
 
 lint: $(VENV_STAMP)
@@ -58,7 +58,12 @@ system-tools:
 browser-tools:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
 
-conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth
+conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster
+
+# Through HAProxy to two processes: forks and subscriptions cross them (the runner checks they did).
+conformance-cluster: $(VENV_STAMP) $(NPM_STAMP) system-tools
+	$(PY) -m ops.run_conformance --cluster 2
+	$(PY) -m ops.run_conformance --cluster 2 --storage disk --tls-h2
 
 conformance-h1: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance

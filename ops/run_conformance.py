@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
-from ops.serverproc import ROOT, start
+from ops.serverproc import ROOT, launch, start
 
 SUITE_DIR = ROOT / "conformance"
 
@@ -52,6 +53,46 @@ def server_stats(url: str, ca: Path | None, token: str | None) -> dict:
         return json.load(response)
 
 
+def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2: bool) -> int:
+    """Through a cluster's front door: forks must have crossed members (the suite's names hash
+    to both), or the run proved nothing about them."""
+    import json
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
+    request = urllib.request.Request(f"{url}/stats?cluster=1")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, context=context) as response:
+        members = json.load(response)["members"]
+    crossed = {
+        member: {
+            "forks_of_its_streams_elsewhere": view.get("cluster_forks", {}).get("attached", 0),
+            "inherited_reads_from_elsewhere": view.get("cluster_forks", {}).get("remote_reads", 0),
+            "forwarded_requests": view.get("cluster", {}).get("forwarded_requests", 0),
+            "client_http_versions": view.get("cluster", {}).get("requests_by_client_http_version", {}),
+            "streams": view.get("streams"),
+        }
+        for member, view in sorted(members.items())
+    }
+    print(f"conformance: across members: {crossed}")
+    if any("error" in view for view in members.values()):
+        print("conformance: a member did not answer /stats", file=sys.stderr)
+        return 1
+    if not all(c["forks_of_its_streams_elsewhere"] and c["inherited_reads_from_elsewhere"] for c in crossed.values()):
+        print("conformance: forks did not cross members both ways", file=sys.stderr)
+        return 1
+    if http2:
+        spoken: Counter[str] = Counter()
+        for c in crossed.values():
+            spoken.update(c["client_http_versions"])
+        if spoken.get("2.0", 0) < 1000 or spoken.get("1.1", 0) > 1:
+            print(f"conformance: the suite did not reach the front door over HTTP/2: {dict(spoken)}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def check_http2_was_used(url: str, ca: Path, token: str | None) -> int:
     """The suite cannot tell which protocol fetch used; the server's own counters can."""
     by_version = server_stats(url, ca, token)["requests_by_http_version"]
@@ -73,6 +114,12 @@ def main() -> int:
         "--auth",
         action="store_true",
         help="turn auth on (an HS256 secret) and have the suite send an admin token with every request",
+    )
+    parser.add_argument(
+        "--cluster",
+        type=int,
+        metavar="N",
+        help="run the suite through the front door (HAProxy) of `streamkeep cluster run --processes N`",
     )
     parser.add_argument("--filter", help="vitest -t pattern to run a subset (for debugging)")
     parser.add_argument("server_args", nargs="*", help="extra `streamkeep serve` arguments")
@@ -99,7 +146,19 @@ def main() -> int:
             server_args += ["--tls-cert", str(cert), "--tls-key", str(key)]
             env["NODE_EXTRA_CA_CERTS"] = str(ca)
             env["CONFORMANCE_HTTP2"] = "1"
-        server = start(*server_args)
+        if args.cluster:
+            from streamkeep.cluster.run import free_port
+
+            server_args[server_args.index("--data-dir") + 1] = str(Path(tmp) / "cluster")
+            command = [sys.executable, "-m", "streamkeep", "cluster", "run", "--processes", str(args.cluster)]
+            command += ["--port", str(free_port("127.0.0.1")), *server_args]
+            server = launch(
+                command,
+                env=env,
+                timeout=90,
+            )
+        else:
+            server = start(*server_args)
         mode = (
             "HTTPS + HTTP/2" if args.tls_h2 else "HTTP/1.1"
         ) + f", {args.storage} storage, {args.edge} edge" + (", auth on (admin token)" if args.auth else "")
@@ -119,9 +178,16 @@ def main() -> int:
                 cwd=SUITE_DIR,
                 env=env,
             )
-            if args.tls_h2 and result.returncode == 0:
+            if args.tls_h2 and result.returncode == 0 and not args.cluster:
                 result.returncode = check_http2_was_used(
                     server.url, Path(tmp) / "ca.pem", env.get("CONFORMANCE_AUTH_TOKEN")
+                )
+            if args.cluster and result.returncode == 0 and not args.filter:
+                result.returncode = check_crossed_members(
+                    server.url,
+                    Path(tmp) / "ca.pem" if args.tls_h2 else None,
+                    env.get("CONFORMANCE_AUTH_TOKEN"),
+                    http2=args.tls_h2,
                 )
             if args.auth and result.returncode == 0:
                 ca_path = Path(tmp) / "ca.pem" if args.tls_h2 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from streamkeep.cluster.peers import PREFIX as INTERNAL_PREFIX
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.headers import closed_flag
 from streamkeep.protocol.model import Request
@@ -43,6 +44,7 @@ UI_PREFIX = "/ui/"
 ADMIN_STREAMS = "admin_streams"  # GET /v1/admin/streams
 ADMIN_STREAM = "admin_stream"  # GET /v1/admin/streams/<name>
 ADMIN_PREFIX = "/v1/admin/streams"
+INTERNAL = "internal"  # POST /_cluster/<op>: a call between cluster members (cluster/peers.py)
 OTHER = "other"
 
 # The permission each stream operation needs on its stream (a fork also needs read on its source).
@@ -65,6 +67,8 @@ def classify(request: Request) -> Route:
     if method == "OPTIONS":
         return Route(PREFLIGHT)
     path = request.raw_path
+    if path.startswith(INTERNAL_PREFIX):
+        return Route(INTERNAL)
     if path.startswith(CONTROL_PREFIX):
         return Route(SUBSCRIPTION)
     if path.startswith(STREAM_PREFIX):

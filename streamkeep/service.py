@@ -24,7 +24,9 @@ from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth.errors import AuthError
 from streamkeep.auth.gate import Gate, auth_response
 from streamkeep.auth.tokens import Principal
+from streamkeep.cluster import peers
 from streamkeep.cluster.forward import Forwarder, forwarded_by
+from streamkeep.cluster.peers import PeerOps, Peers
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.compaction import Compactor
 from streamkeep.health import Health
@@ -112,6 +114,11 @@ class Service:
         self.member_id = ""
         self.cluster_secret = ""
         self.forwarder: Forwarder | None = None  # None: refuse strangers' streams instead (421)
+        # Calls to the other members (forks of their streams, subscriptions, the registry), and
+        # the operations this member answers for them; None without a cluster secret.
+        self.peers: Peers | None = None
+        self.peer_ops = PeerOps()
+        self.client_http_versions: Counter[str] = Counter()  # what clients spoke to the front door
         self._live: dict[tuple[str, int], LiveStream] = {}
         # Where live fan-out runs its push loops; without one, subscribers wake and send themselves.
         self.nursery: trio.Nursery | None = None
@@ -189,11 +196,13 @@ class Service:
         principal: Principal | None = None
         try:
             if route is None:
-                if self.gate is not None:
+                # Calls between members carry the cluster signature, not a client's token.
+                internal = request.raw_path.startswith(peers.PREFIX)
+                if self.gate is not None and not internal:
                     principal = await self.gate.authenticate(request)
                 route = routes.classify(request)
                 kind = route.kind
-                if self.gate is not None:
+                if self.gate is not None and not internal:
                     self.gate.authorize(principal, route, request)
                     request.principal = principal
                 if self.placement is not None:
@@ -221,6 +230,10 @@ class Service:
         placement = self.placement
         assert placement is not None
         by = forwarded_by(request, self.cluster_secret, placement.members)
+        if by is None:
+            version = request.headers.get("streamkeep-client-http-version")
+            if version is not None:  # set by the front door (haproxy.py)
+                self.client_http_versions[version[:8]] += 1
         if route.name is None:
             return None
         epoch = request.headers.get("streamkeep-placement-epoch")
@@ -239,12 +252,16 @@ class Service:
                     [("Streamkeep-Owner", owner.id)],
                 )
             return owner
-        if route.fork_source is not None and placement.owner(route.fork_source).id != self.member_id:
+        if (
+            self.peers is None
+            and route.fork_source is not None
+            and placement.owner(route.fork_source).id != self.member_id
+        ):
             raise ProtocolError(
                 409,
                 "fork_across_members",
                 f"the fork source {route.fork_source[:200]!r} lives on cluster member "
-                f"{placement.owner(route.fork_source).id!r}; forks across members are not supported yet",
+                f"{placement.owner(route.fork_source).id!r}; forks across members need a cluster secret",
             )
         return None
 
@@ -372,6 +389,10 @@ class Service:
                 return self._compact(name, request)
             if kind == routes.ADMIN_STREAM:
                 return admin.stream(self, name, request)
+        if kind == routes.INTERNAL and self.placement is not None:
+            if self.not_ready is not None:
+                raise not_ready(self.not_ready)
+            return await self.peer_ops.answer(request, self.placement, self.cluster_secret)
         if kind == routes.PREFLIGHT:
             return responses.preflight()
         if kind == routes.HEALTH:
@@ -457,6 +478,9 @@ class Service:
             "members": {m.id: {"address": m.address, "slots": placement.slots_of(m.id)} for m in placement.members},
             "forwarding": self.forwarder is not None,
             "forwarded_requests": 0 if self.forwarder is None else self.forwarder.forwarded,
+            "requests_by_client_http_version": dict(self.client_http_versions),
+            "calls_to_members": None if self.peers is None else self.peers.stats(),
+            "calls_from_members": {"answered": self.peer_ops.calls, "refused": self.peer_ops.refused},
         }
 
     def live_readers_by_stream(self) -> Counter[str]:

@@ -451,3 +451,31 @@ async def test_a_drop_after_an_upload_whose_manifest_save_half_failed_keeps_the_
     async with server(fs, **SMALL) as (service, storage):
         again = await call(service, "GET", "s", query="offset=-1")
         assert again.status == 200 and again.body == kept
+
+
+async def test_a_pin_of_a_fork_another_cluster_member_owns_holds_the_source() -> None:
+    """The source counts such a fork by its pin (cluster/forks.py): retention keeps what the pin
+    names until the pin goes, and the pin is in meta.cbor, so a restart keeps it."""
+    fs = new_fs()
+    async with server(fs, **SMALL) as (service, storage):
+        assert (await call(service, "PUT", "src", b"", T)).status == 201
+        await append_all(service, "src", 10)
+        source = storage.open("src")
+        assert source is not None
+        source.meta.remote_forks = (("0123456789ab", "elsewhere/fork", 15),)
+        source.meta.fork_count += 1
+        await storage.save_meta("src", source.meta)
+        await append_all(service, "src", 10)
+        rule = retention(storage, max_bytes=10)
+        await rule.pass_once()
+        assert source.floor > 30 and source.held_from <= 15
+        assert (await call(service, "DELETE", "src")).status == 204  # pinned: soft-deleted only
+    async with server(fs, **SMALL) as (service, storage):
+        source = storage.open("src")
+        assert source is not None and source.meta.soft_deleted and source.meta.fork_count == 1
+        assert source.meta.remote_forks == (("0123456789ab", "elsewhere/fork", 15),)
+        await retention(storage, max_bytes=10).pass_once()
+        assert source.held_from <= 15
+        await service.supervisor.call("src", "detach_fork", "0123456789ab")
+        await service.supervisor.call("src", "detach_fork", "0123456789ab")  # a second detach: nothing
+        assert storage.open("src") is None  # the last pin out removes the soft-deleted source

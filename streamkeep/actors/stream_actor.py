@@ -23,7 +23,7 @@ from streamkeep.protocol import stream as rules
 from streamkeep.protocol.errors import ProtocolError, bad_request, not_found
 from streamkeep.protocol.headers import media_type
 from streamkeep.protocol.state_fold import NotStateMessage, StateFold
-from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSpec, StreamMeta
+from streamkeep.protocol.stream import AppendOutcome, AppendSpec, CreateSpec, ForkSource, ForkSpec, StreamMeta
 from streamkeep.storage import forks
 from streamkeep.storage.base import AppendRecord, Commit, Storage, StreamLog
 from streamkeep.storage.errors import STORAGE_ERRORS, StorageUnavailable, as_protocol_error, below_floor
@@ -302,9 +302,11 @@ class StreamActor:
             # Sources never call their forks, so this call up the chain cannot deadlock.
             with trio.CancelScope(shield=True):
                 try:
-                    await self._supervisor.call(source, "detach_fork")
-                except ProtocolError:
-                    log.warning("fork %r: its source %r was already gone", self.name, source)
+                    await self._detach_from(source, stream_log.meta.stream_id)
+                except ProtocolError as error:
+                    # Another member's source that cannot be told now keeps its pin until its
+                    # reconcile finds this fork gone (streamkeep/cluster/forks.py).
+                    log.warning("fork %r: its source %r was not told: %s", self.name, source, error.message)
         if uncertain is not None:
             raise uncertain
 
@@ -358,13 +360,33 @@ class StreamActor:
     async def _create(self, meta: StreamMeta, messages: list[bytes]) -> StreamLog:
         return await self._storage.create(meta, messages)
 
+    async def _detach_from(self, source: str, stream_id: str) -> None:
+        remote = forks.remote_source(self._storage, source)
+        if remote is not None:
+            await remote.detach(source, stream_id)
+        else:
+            await self._supervisor.call(source, "detach_fork")
+
     async def _create_fork(self, spec: CreateSpec, now: float) -> StreamLog:
         fork = spec.fork
         assert fork is not None
         if fork.source == self.name:
             raise not_found(fork.source)  # this path holds no stream, so it cannot be the source
         given = spec.content_type if spec.content_type_given else None
-        source: ForkSource = await self._supervisor.call(fork.source, "attach_fork", fork, given)
+        stream_id = uuid.uuid4().hex[:12]
+        remote = forks.remote_source(self._storage, fork.source)
+        if remote is None:
+            source: ForkSource = await self._supervisor.call(fork.source, "attach_fork", fork, given)
+            return await self._create_attached(spec, now, stream_id, source)
+        # The source's member pins its data for this fork durably before the fork exists; while
+        # this create runs, its reconcile hears "pending" for the pin, never "absent".
+        with remote.attaching(stream_id):
+            source = await remote.attach(fork, given, fork_name=self.name, pin=stream_id)
+            return await self._create_attached(spec, now, stream_id, source)
+
+    async def _create_attached(self, spec: CreateSpec, now: float, stream_id: str, source: ForkSource) -> StreamLog:
+        fork = spec.fork
+        assert fork is not None
         try:
             ttl, expires = spec.ttl_seconds, spec.expires_at
             if ttl is None and expires is None:  # the inheritance table of §4.2
@@ -374,7 +396,7 @@ class StreamActor:
                     expires = (source.expires_at, source.expires_at_ts)
             meta = StreamMeta(
                 name=self.name,
-                stream_id=uuid.uuid4().hex[:12],
+                stream_id=stream_id,
                 content_type=source.content_type,
                 created_at=now,
                 ttl_seconds=ttl,
@@ -386,6 +408,8 @@ class StreamActor:
                 fork_base=source.base,
                 fork_offset=fork.offset_token,
                 fork_sub_offset=fork.sub_offset,
+                fork_low=source.low,
+                source_incarnations=source.incarnations,
             )
             return await self._create(meta, spec.split(source.content_type))
         except BaseException as error:
@@ -393,13 +417,17 @@ class StreamActor:
                 raise  # the fork exists (if not durably): its source keeps counting it
             with trio.CancelScope(shield=True):
                 try:
-                    await self._supervisor.call(fork.source, "detach_fork")
+                    await self._detach_from(fork.source, stream_id)
                 except ProtocolError:
                     pass
             raise
 
-    async def attach_fork(self, fork: ForkSpec, content_type: str | None) -> ForkSource:
-        """A new fork of this stream: validate its fork point and count it (runs in the source's actor)."""
+    async def attach_fork(
+        self, fork: ForkSpec, content_type: str | None, pin: tuple[str, str] | None = None
+    ) -> ForkSource:
+        """A new fork of this stream: validate its fork point and count it (runs in the source's
+        actor). `pin` (fork stream id, fork name): the fork lives on another cluster member, so
+        the count is a pin saved in this stream's meta before the fork is created."""
         stream_log = self._storage.open(self.name)
         if stream_log is None:
             raise ProtocolError(404, "fork_source_not_found", f"the fork source {self.name!r} does not exist")
@@ -424,13 +452,13 @@ class StreamActor:
         floor = forks.readable_from(self._storage, stream_log)
         if position < floor:
             raise below_floor(floor, meta.incarnation)
-        if meta.json_mode and not forks.is_boundary(self._storage, stream_log, position):
+        boundary, end = await forks.probe(self._storage, stream_log, position)
+        if meta.json_mode and not boundary:
             raise bad_request(
                 "invalid_fork_offset", "Stream-Fork-Offset is not at a message boundary of the source"
             )
         base = position
         if fork.sub_offset:
-            end = forks.next_append_end(self._storage, stream_log, position)
             if end is None:
                 raise bad_request(
                     "fork_sub_offset_out_of_range", "the source holds no data past Stream-Fork-Offset"
@@ -457,14 +485,49 @@ class StreamActor:
         # relaxed fsync policy that point must be on disk first, or a power cut could take back
         # what the fork reads (and leave the fork pointing past its source's end).
         await stream_log.make_durable()
+        incarnations = (meta.incarnation, *self._source_incarnations(stream_log))
+        if pin is not None:
+            pins = tuple(p for p in meta.remote_forks if p[0] != pin[0])
+            meta.remote_forks = (*pins, (pin[0], pin[1], min(floor, base)))
+            try:
+                await self._storage.save_meta(self.name, meta)
+            except BaseException as error:
+                if not getattr(error, "happened", False):
+                    meta.remote_forks = pins
+                    raise
+            if len(pins) < len(meta.remote_forks):
+                meta.fork_count += 1
+            return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base,
+                              min(floor, base), incarnations)  # fmt: skip
         meta.fork_count += 1
         return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base)
 
-    async def detach_fork(self) -> None:
-        """A fork of this stream is gone; the last one out removes a soft-deleted source."""
+    def _source_incarnations(self, stream_log: StreamLog) -> tuple[int, ...]:
+        """The incarnations of this stream's sources, nearest first."""
+        found: list[int] = []
+        meta: StreamMeta | None = stream_log.meta
+        while meta is not None and meta.forked_from is not None:
+            if meta.source_incarnations:
+                return (*found, *meta.source_incarnations)
+            source = self._storage.open(meta.forked_from)
+            meta = source.meta if source is not None else None
+            if meta is not None:
+                found.append(meta.incarnation)
+        return tuple(found)
+
+    async def detach_fork(self, pin: str | None = None) -> None:
+        """A fork of this stream is gone; the last one out removes a soft-deleted source. `pin`:
+        the stream id of a fork another member owned (its pin goes; a second detach is a no-op)."""
         stream_log = self._storage.open(self.name)
         if stream_log is None:
             return
+        if pin is not None:
+            meta = stream_log.meta
+            kept = tuple(p for p in meta.remote_forks if p[0] != pin)
+            if len(kept) == len(meta.remote_forks):
+                return
+            meta.remote_forks = kept
+            await self._storage.save_meta(self.name, meta)
         stream_log.meta.fork_count = max(0, stream_log.meta.fork_count - 1)
         if stream_log.meta.soft_deleted and stream_log.meta.fork_count == 0:
             await self._hard_delete(stream_log)
@@ -544,7 +607,7 @@ class StreamActor:
             return
         meta: StreamMeta | None = stream_log.meta
         while meta is not None:
-            if meta.incarnation == incarnation:
+            if meta.incarnation == incarnation or incarnation in meta.source_incarnations:
                 return
             source = self._storage.open(meta.forked_from) if meta.forked_from else None
             meta = source.meta if source is not None else None
@@ -672,17 +735,6 @@ class LiveReaderMark:
 
     def __exit__(self, *_: object) -> None:
         self.actor.live_readers -= 1
-
-
-@dataclass(frozen=True)
-class ForkSource:
-    """What a fork takes from its source at creation."""
-
-    content_type: str
-    ttl_seconds: int | None
-    expires_at: str | None
-    expires_at_ts: float | None
-    base: int
 
 
 def _gone(name: str) -> ProtocolError:

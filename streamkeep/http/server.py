@@ -19,7 +19,9 @@ from hypercorn.trio import serve as hypercorn_serve
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth import setup as auth_setup
 from streamkeep.background import supervised
+from streamkeep.cluster.forks import RemoteForks
 from streamkeep.cluster.forward import Forwarder
+from streamkeep.cluster.peers import Peers
 from streamkeep.cluster.placement import SLOTS, Member, Placement
 from streamkeep.compaction import Compactor
 from streamkeep.http import hypercorn_fixes
@@ -185,6 +187,11 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             if settings.cluster.secret:
                 live = max(settings.server.long_poll_timeout, settings.server.sse_close_after)
                 service.forwarder = Forwarder(settings.cluster.member, settings.cluster.secret, live + 30)
+                service.peers = Peers(service.placement, settings.cluster.member, settings.cluster.secret)
+                remote_forks = RemoteForks(service.peers, service.supervisor)
+                storage.remote = remote_forks  # before recovery: it links forks to their sources
+                remote_forks.register(service.peer_ops)
+                service.stats_sources["cluster_forks"] = remote_forks.stats
             log.info(
                 "cluster member %r of %d (placement epoch %d): serving %d of %d slots",
                 service.member_id,
@@ -314,6 +321,8 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             service.stats_sources["retention"] = retention.stats
             nursery.start_soon(supervised, "retention", retention.run, retention.health)
         nursery.start_soon(supervised, "TTL sweep", service.sweep_expired, service.health)
+        if isinstance(storage.remote, RemoteForks):
+            nursery.start_soon(supervised, "fork pin reconcile", storage.remote.run, storage.remote.health)
         state = data_dir
         keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")
         service.subscriptions = SubscriptionManager(

@@ -54,6 +54,13 @@ class StreamMeta:
     soft_deleted: bool = False
     # Live forks that read from this stream (derived, rebuilt at recovery; not persisted).
     fork_count: int = 0
+    # In a cluster (streamkeep/cluster/forks.py). On a source: the pins of its forks that other
+    # members own, (fork stream id, fork name, lowest position the fork reads), persisted before
+    # the fork is created. On such a fork: the lowest position its source held for it and the
+    # incarnations of its source chain (offset tokens of the source are valid here too).
+    remote_forks: tuple[tuple[str, str, int], ...] = ()
+    fork_low: int = 0
+    source_incarnations: tuple[int, ...] = ()
 
     def expired(self, now: float) -> bool:
         if self.expires_at_ts is not None and now >= self.expires_at_ts:
@@ -107,6 +114,20 @@ class ForkSpec:
             offset=None if offset is None else decode(offset),
             sub_offset=int(sub) if sub is not None else 0,
         )
+
+
+@dataclass(frozen=True)
+class ForkSource:
+    """What a fork takes from its source at creation. `low` and `incarnations` only for a source
+    on another cluster member: where its pin holds data from, and its chain's incarnations."""
+
+    content_type: str
+    ttl_seconds: int | None
+    expires_at: str | None
+    expires_at_ts: float | None
+    base: int
+    low: int = 0
+    incarnations: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

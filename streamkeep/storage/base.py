@@ -16,12 +16,13 @@ Only the stream's actor calls the mutating methods, so logs need no locks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
-from streamkeep.protocol.stream import ProducerState, StreamMeta
+from streamkeep.protocol.stream import ForkSource, ForkSpec, ProducerState, StreamMeta
 from streamkeep.storage.errors import StorageFull
 
 
@@ -167,8 +168,38 @@ class StreamLog(Protocol):
         ...
 
 
+class RemoteSources(Protocol):
+    """Fork sources another cluster member owns (streamkeep/cluster/forks.py implements it)."""
+
+    def elsewhere(self, name: str) -> bool: ...
+
+    async def read_range(
+        self, name: str, start: int, max_bytes: int, *, whole_messages: bool, limit: int
+    ) -> ReadResult:
+        """`forks.read_range` of stream `name`, run by its owner (its own chain included)."""
+        ...
+
+    async def probe(self, name: str, position: int) -> tuple[bool, int | None]:
+        """Whether `position` starts a message of `name`, and where the append holding it ends."""
+        ...
+
+    async def attach(self, fork: ForkSpec, content_type: str | None, *, fork_name: str, pin: str) -> ForkSource:
+        """The source's `attach_fork`, run by its owner, which saves a pin for the fork first."""
+        ...
+
+    async def detach(self, source: str, pin: str) -> None:
+        """The source's `detach_fork` for the fork whose stream id is `pin`."""
+        ...
+
+    def attaching(self, pin: str) -> AbstractContextManager[None]:
+        """Marks a fork create in progress, so the source's reconcile does not drop its new pin."""
+        ...
+
+
 class Storage(Protocol):
     budget: ByteBudget
+    # In a cluster: how this member reaches fork sources the others own (None: every source is here).
+    remote: RemoteSources | None
 
     def open(self, name: str) -> StreamLog | None: ...
 

@@ -31,7 +31,7 @@ from streamkeep.protocol.stream import StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 from streamkeep.storage import files
-from streamkeep.storage.base import ByteBudget
+from streamkeep.storage.base import ByteBudget, RemoteSources
 from streamkeep.storage.committer import Committer, RoundSettings
 from streamkeep.storage.directory import DataDirectory, FormatError
 from streamkeep.storage.errors import (
@@ -80,6 +80,7 @@ class DiskStorage:
         self.root = root
         self.fs = fs
         self.directory = DataDirectory(fs, root)
+        self.remote: RemoteSources | None = None  # fork sources on other members (a cluster)
         self.budget = budget
         self.fsync = fsync
         self.fsync_interval = fsync_interval
@@ -349,10 +350,13 @@ class DiskStorage:
 
     def _link_forks(self, report: RecoveryReport) -> None:
         """Counts each stream's live forks, and finishes cascading deletes a crash interrupted:
-        a soft-deleted stream that no fork reads any more is removed."""
+        a soft-deleted stream that no fork reads any more is removed. Forks other cluster members
+        own count by their pins (`remote_forks`), which the cluster's reconcile keeps true."""
+        for stream_log in self._logs.values():
+            stream_log.meta.fork_count += len(stream_log.meta.remote_forks)
         for stream_log in self._logs.values():
             source = stream_log.meta.forked_from
-            if source is None:
+            if source is None or (self.remote is not None and self.remote.elsewhere(source)):
                 continue
             parent = self._logs.get(source)
             if parent is None:

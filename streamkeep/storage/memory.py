@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from streamkeep.protocol.stream import ProducerState, StreamMeta
-from streamkeep.storage.base import AppendRecord, ByteBudget, Commit, ReadResult, resolved
+from streamkeep.storage.base import AppendRecord, ByteBudget, Commit, ReadResult, RemoteSources, resolved
 
 
 class MemoryLog:
@@ -109,6 +109,7 @@ class MemoryStorage:
     def __init__(self, *, max_stream_bytes: int, max_total_bytes: int) -> None:
         self.budget = ByteBudget(max_stream_bytes=max_stream_bytes, max_total_bytes=max_total_bytes)
         self._logs: dict[str, MemoryLog] = {}
+        self.remote: RemoteSources | None = None
 
     def open(self, name: str) -> MemoryLog | None:
         return self._logs.get(name)

@@ -23,6 +23,10 @@ def encode_meta(meta: StreamMeta) -> bytes:
             "foff": meta.fork_offset,
             "fsub": meta.fork_sub_offset,
             "deleted": meta.soft_deleted,
+            # Only in a cluster: absent keys keep meta.cbor of a single process as it was.
+            **({"rforks": [list(pin) for pin in meta.remote_forks]} if meta.remote_forks else {}),
+            **({"flow": meta.fork_low} if meta.fork_low else {}),
+            **({"finc": list(meta.source_incarnations)} if meta.source_incarnations else {}),
         }
     )
 
@@ -42,4 +46,7 @@ def decode_meta(data: bytes) -> StreamMeta:
         fork_offset=raw.get("foff"),
         fork_sub_offset=raw.get("fsub") or 0,
         soft_deleted=bool(raw.get("deleted")),
+        remote_forks=tuple((str(i), str(n), int(low)) for i, n, low in raw.get("rforks") or ()),
+        fork_low=raw.get("flow") or 0,
+        source_incarnations=tuple(int(i) for i in raw.get("finc") or ()),
     )

@@ -105,6 +105,10 @@ def fork_pins(storage: object, logs: list[DiskLog]) -> dict[str, int]:
     pins: dict[str, int] = {}
     for stream_log in logs:
         low = forks.readable_from(storage, stream_log)  # type: ignore[arg-type]
+        name = stream_log.meta.name
+        for _, _, pinned in stream_log.meta.remote_forks:  # forks other cluster members own
+            pins[name] = min(pins.get(name, pinned), pinned)
+            low = min(low, pinned)  # and what they read of this stream's own sources
         current = stream_log
         while current.meta.forked_from is not None and low < current.meta.fork_base:
             source = storage.open(current.meta.forked_from)  # type: ignore[attr-defined]
@@ -153,6 +157,8 @@ class Retention:
         # Forks that exist on disk, per source. A source counting more is having one created
         # right now (attached, files not yet written): nothing of it is dropped this pass.
         visible = Counter(log.meta.forked_from for log in logs if log.meta.forked_from is not None)
+        for stream_log in logs:
+            visible[stream_log.meta.name] += len(stream_log.meta.remote_forks)  # pinned before created
         budget = self.max_segments_per_pass
         now_ms = self.clock() * 1000
         for stream_log in logs:
