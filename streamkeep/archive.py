@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import unquote
 
+from streamkeep.cluster.placement import Member, Placement
 from streamkeep.segments import layout
 from streamkeep.storage import files, manifest
 from streamkeep.storage import floor as floors
@@ -123,6 +126,14 @@ def verify(
             file=sys.stderr,
         )
         return 2
+    owned = _owned_by_this_member(settings)
+    if owned is None:
+        print(
+            "streamkeep archive verify: the [cluster] members share this bucket; pass --cluster-member "
+            "with this data directory's member id, so other members' objects are not taken for orphans",
+            file=sys.stderr,
+        )
+        return 2
     store = S3Store(config)
     data_dir = Path(settings.storage.data_dir)
     streams = _streams(data_dir)
@@ -159,10 +170,14 @@ def verify(
     )
     now = time.time()
     orphans, kept, dropped = [], [], 0
+    others = 0
     for key, modified in store.list_objects(config.root):
         if key in known:
             continue
         parsed = layout.parse_cold_key(config.root, key)
+        if parsed is not None and parsed[0] not in live and not owned(parsed[0]):
+            others += 1  # another cluster member's stream: only its own verify can judge it
+            continue
         claimed = parsed is not None and parsed[0] in live and parsed[1] in (None, live[parsed[0]])
         if claimed and parsed is not None and _retained_away(parsed[2], *held[parsed[0]]):
             dropped += 1  # its segment went with retention: no upload can be recording it
@@ -175,6 +190,8 @@ def verify(
         f"{len(entries)} manifest entries checked, {problems} problems; {len(orphans)} orphaned objects"
         + (f" ({dropped} of segments retention dropped)" if dropped else "")
     )
+    if others:
+        print(f"{others} objects belong to other cluster members' streams: left to their own verify")
     for key in orphans[:20]:
         print(f"  orphan: {key}")
     if kept:
@@ -191,6 +208,24 @@ def verify(
     elif orphans:
         print("run again with --delete-orphans to remove them (objects no manifest refers to)")
     return 1 if problems else 0
+
+
+def _owned_by_this_member(settings: SimpleNamespace) -> Callable[[str], bool] | None:
+    """Whether a stream directory's name is one this member owns (all of them outside a cluster);
+    None when a [cluster] is configured without saying which member this is. A hashed directory
+    name ("~...") cannot be mapped back to its stream: it counts as another member's (kept)."""
+    members = settings.cluster.members
+    if not members:
+        return lambda _directory: True
+    if not settings.cluster.member:
+        return None
+    placement = Placement.of([Member(m, a) for m, a in members], settings.cluster.epoch)
+    me = settings.cluster.member
+
+    def owned(directory: str) -> bool:
+        return not directory.startswith("~") and placement.owner(unquote(directory)).id == me
+
+    return owned
 
 
 def _retained_away(segment_file: str, floor: int, local: set[str]) -> bool:

@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     archive.add_argument("--cold-url", dest="cold_url", default=None)
     archive.add_argument("--cold-endpoint", dest="cold_endpoint", default=None)
     archive.add_argument(
+        "--cluster-member",
+        dest="cluster_member",
+        default=None,
+        help="in a cluster sharing one bucket: this data directory's member id ([cluster] in --config); "
+        "verify then judges only this member's streams' objects",
+    )
+    archive.add_argument(
         "--delete-orphans", action="store_true", help="with verify: delete objects no manifest lists"
     )
     archive.add_argument(
@@ -293,6 +300,7 @@ def _offline_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         "storage_data_dir": args.storage_data_dir,
         "cold_url": args.cold_url,
         "cold_endpoint": args.cold_endpoint,
+        "cluster_member": getattr(args, "cluster_member", None),
     }
     return config.load(args.config, cli=cli)
 

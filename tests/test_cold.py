@@ -225,6 +225,26 @@ def test_archive_status_and_verify_find_orphans(tmp_path: Path, moto: Moto) -> N
     )
     assert "deleted 1 orphaned objects" in cleaned.stdout
     assert moto.keys("archive", "prod/streams/ghost/") == []
+    # Members of a cluster share the bucket: one member's verify leaves the others' objects alone.
+    from streamkeep.cluster.placement import Member, Placement
+
+    toml = tmp_path / "cluster.toml"
+    toml.write_text('[cluster]\nmembers = [{id = "a", address = "127.0.0.1:1"}, {id = "b", address = "127.0.0.1:2"}]\n')
+    placement = Placement.of([Member("a", "127.0.0.1:1"), Member("b", "127.0.0.1:2")], 1)
+    theirs = next(n for n in (f"theirs{i}" for i in range(100)) if placement.owner(n).id == "b")
+    ours = next(n for n in (f"ghost{i}" for i in range(100)) if placement.owner(n).id == "a")
+    s3 = boto3.client("s3", endpoint_url=moto.url, aws_access_key_id="test", aws_secret_access_key="test",
+                      region_name="us-east-1")  # fmt: skip
+    for name in (theirs, ours):
+        s3.put_object(Bucket="archive", Key=f"prod/streams/{name}/0123456789ab/{0:016d}.seg", Body=b"x")
+    clustered = [*command, "verify", *where, *bucket, "--config", str(toml), "--delete-orphans"]
+    unnamed = subprocess.run(clustered, capture_output=True, text=True, env=env, timeout=60)
+    assert unnamed.returncode == 2 and "--cluster-member" in unnamed.stderr
+    cleaned = subprocess.run([*clustered, "--cluster-member", "a"], capture_output=True, text=True, env=env, timeout=60)
+    assert "1 objects belong to other cluster members' streams" in cleaned.stdout, cleaned.stdout + cleaned.stderr
+    assert "deleted 1 orphaned objects" in cleaned.stdout
+    assert moto.keys("archive", f"prod/streams/{ours}/") == []
+    assert moto.keys("archive", f"prod/streams/{theirs}/") != []
 
 
 def test_idle_streams_are_sealed_by_age_and_reach_the_bucket(tmp_path: Path, moto: Moto) -> None:
