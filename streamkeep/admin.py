@@ -42,7 +42,7 @@ MAX_PRODUCERS = 1000  # shown per stream; `producers_total` counts them all
 def streams(service: Service, request: Request) -> Response:
     principal: Principal | None = request.principal
     pattern = _one(request, "match")
-    limit = _limit(request)
+    limit = parse_limit(request)
     storage = service.supervisor.storage
     readers = service.live_readers_by_stream()
     now = time.time()
@@ -64,6 +64,25 @@ def streams(service: Service, request: Request) -> Response:
             "live_readers": sum(readers.values()),
         }
     return _json(body)
+
+
+def merged(me: str, mine: dict[str, Any], answers: dict[str, Response | None], limit: int) -> Response:
+    """A cluster's list: this member's `streams` body and the other members' answers, merged by
+    name and cut at `limit`; `members` says which answered (a list missing a member is partial)."""
+    bodies = [mine]
+    members = {me: "ok"}
+    for member, answer in sorted(answers.items()):
+        if answer is None or answer.status != 200 or not isinstance(answer.body, bytes):
+            members[member] = "unreachable" if answer is None else f"answered {answer.status}"
+            continue
+        bodies.append(json.loads(answer.body))
+        members[member] = "ok"
+    rows = sorted((row for body in bodies for row in body["streams"]), key=lambda row: row["name"])
+    total = sum(body["total"] for body in bodies)
+    out: dict[str, Any] = {"streams": rows[:limit], "total": total, "truncated": total > limit, "members": members}
+    if "server" in mine:
+        out["server"] = {key: sum(body.get("server", {}).get(key, 0) for body in bodies) for key in mine["server"]}
+    return _json(out)
 
 
 def _readable(service: Service, request: Request) -> Any:
@@ -104,11 +123,15 @@ def stream(service: Service, name: str, request: Request) -> Response:
             for producer_id, state in producers[:MAX_PRODUCERS]
         ],
         producers_total=len(producers),
-        # Forks are few and a stream does not list its own: one pass over the names finds them.
+        # Forks are few and a stream does not list its own: one pass over the names finds them,
+        # and the pins name those other cluster members own.
         forks=sorted(
-            other
-            for other in storage.names()
-            if (log := storage.open(other)) is not None and log.meta.forked_from == name and readable(other)
+            {
+                other
+                for other in storage.names()
+                if (log := storage.open(other)) is not None and log.meta.forked_from == name and readable(other)
+            }
+            | {fork for _, fork, _ in meta.remote_forks if readable(fork)}
         ),
         segments=len(stream_log.segments) if hasattr(stream_log, "segments") else None,  # disk only
         read_only=_read_only(stream_log),
@@ -154,7 +177,10 @@ def _fork_point(storage: Storage, stream_log: StreamLog) -> str | None:
     if meta.forked_from is None:
         return None
     source = storage.open(meta.forked_from)
-    incarnation = source.meta.incarnation if source is not None else meta.incarnation
+    if source is not None:
+        incarnation = source.meta.incarnation
+    else:  # on another cluster member: its incarnation came with the fork
+        incarnation = meta.source_incarnations[0] if meta.source_incarnations else meta.incarnation
     return offsets.encode(meta.fork_base, incarnation)
 
 
@@ -170,7 +196,7 @@ def _one(request: Request, name: str) -> str | None:
     return values[0] if values and values[0] else None
 
 
-def _limit(request: Request) -> int:
+def parse_limit(request: Request) -> int:
     raw = _one(request, "limit")
     if raw is None:
         return DEFAULT_LIMIT

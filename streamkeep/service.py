@@ -25,7 +25,7 @@ from streamkeep.auth.errors import AuthError
 from streamkeep.auth.gate import Gate, auth_response
 from streamkeep.auth.tokens import Principal
 from streamkeep.cluster import peers
-from streamkeep.cluster.forward import Forwarder, forwarded_by
+from streamkeep.cluster.forward import HEADER, Forwarder, forwarded_by
 from streamkeep.cluster.peers import PeerOps, Peers
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.compaction import Compactor
@@ -412,6 +412,8 @@ class Service:
         if kind == routes.ADMIN_STREAMS:
             if self.not_ready is not None:
                 raise not_ready(self.not_ready)
+            if self.forwarder is not None and self.placement is not None and HEADER not in request.headers:
+                return await self._cluster_streams(request)
             return admin.streams(self, request)
         if kind == routes.UI and self.ui is not None:
             return self.ui.serve(request)
@@ -467,6 +469,15 @@ class Service:
         }
         body = {"members": views, "totals": totals, "reachable": sum("error" not in v for v in views.values())}
         return Response(200, [("Content-Type", "application/json"), ("Cache-Control", "no-store")], json.dumps(body).encode())
+
+    async def _cluster_streams(self, request: Request) -> Response:
+        """The stream browser's list in a cluster: every member's own list (each filtered by the
+        caller's token on that member), merged by name; a member that does not answer is named."""
+        assert self.forwarder is not None and self.placement is not None
+        mine = json.loads(admin.streams(self, request).body)
+        others = [m for m in self.placement.members if m.id != self.member_id]
+        answers = await self.forwarder.gather(request, others)
+        return admin.merged(self.member_id, mine, answers, admin.parse_limit(request))
 
     def cluster_stats(self) -> dict[str, object]:
         """This member's place in its cluster, for /stats (each member reports its own streams)."""

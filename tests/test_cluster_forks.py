@@ -81,6 +81,12 @@ def test_a_chain_of_forks_across_members_reads_soft_deletes_and_cascades(cluster
     assert live.status_code == 200 and json.loads(live.content) == [{"n": 1}, {"n": 2}, {"n": "m"}]
     assert fork_stats(cluster, "a")["attached"] == 1 and fork_stats(cluster, "b")["attached"] == 1
     assert fork_stats(cluster, "a")["pins"] == 1 and fork_stats(cluster, "b")["pins"] == 1
+    # The stream browser's list through the front door holds every member's streams.
+    listed = client.get("/v1/admin/streams").json()
+    assert {source, middle, last} <= {row["name"] for row in listed["streams"]}
+    assert listed["members"] == {"a": "ok", "b": "ok"} and listed["total"] == len(listed["streams"])
+    assert client.get(f"/v1/admin/streams/{source}").json()["forks"] == [middle]
+    assert client.get(f"/v1/admin/streams/{middle}").json()["fork_base_offset"] == fork_point
     # Deleting the source and the middle only soft-deletes them: the last fork still reads it all.
     assert client.delete(f"/v1/stream/{source}").status_code == 204
     assert client.delete(f"/v1/stream/{middle}").status_code == 204

@@ -104,6 +104,21 @@ class Forwarder:
                 nursery.start_soon(fetch, member)
         return views
 
+    async def gather(self, request: Request, members: list[Member]) -> dict[str, Response | None]:
+        """`request` forwarded to each of `members` side by side (None: no answer)."""
+        answers: dict[str, Response | None] = {}
+
+        async def ask(member: Member) -> None:
+            try:
+                answers[member.id] = await self.forward(request, member)
+            except ProtocolError:
+                answers[member.id] = None
+
+        async with trio.open_nursery() as nursery:
+            for member in members:
+                nursery.start_soon(ask, member)
+        return answers
+
     async def forward(self, request: Request, owner: Member) -> Response:
         headers = [(name, value) for name, value in request.headers.items() if name not in _NOT_FORWARDED]
         outgoing = self._client.build_request(
