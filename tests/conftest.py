@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -68,3 +69,20 @@ def assert_alive(server: ServerProcess) -> None:
 def segment_files(data_dir: Path, name: str) -> list[Path]:
     """A stream's local segment files under a data directory, in stream order."""
     return sorted((data_dir / layout.STREAMS / layout.stream_dirname(name)).glob("*" + layout.SEGMENT_SUFFIX))
+
+
+@pytest.fixture(params=[""], ids=["no-secret"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Two members (a, b) on disk storage behind a real HAProxy (tests/test_cluster.py's Cluster);
+    `@pytest.mark.parametrize("cluster", [SECRET], indirect=True)` gives them a cluster secret."""
+    from tests.test_cluster import HAPROXY, Cluster
+
+    assert Path(HAPROXY).exists(), "haproxy is missing: make system-tools installs it (apt-get install haproxy)"
+    built = Cluster(tmp_path, request.param)
+    try:
+        built.start_member("a")
+        built.start_member("b")
+        built.start_haproxy()
+        yield built
+    finally:
+        built.stop()

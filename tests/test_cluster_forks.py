@@ -18,8 +18,10 @@ import pytest
 import trio
 
 from streamkeep.cluster.peers import Peers
+from streamkeep.cluster.placement import Placement
 from streamkeep.protocol import offsets
-from tests.test_cluster import SECRET, Cluster, cluster, wait_for  # noqa: F401 (the fixture)
+from streamkeep.protocol.errors import ProtocolError
+from tests.test_cluster import SECRET, Cluster, wait_for
 
 pytestmark = pytest.mark.parametrize("cluster", [SECRET], ids=["secret"], indirect=True)
 
@@ -120,8 +122,14 @@ def test_pins_survive_a_crash_and_a_pin_without_its_fork_is_reconciled_away(
             answer = await peers.call(
                 cluster.placement.owner(orphaned),
                 "fork.attach",
-                {"source": orphaned, "offset": None, "sub_offset": 0, "content_type": None,
-                 "fork": named(cluster, "never", "b"), "pin": "0123456789ab"},  # fmt: skip
+                {
+                    "source": orphaned,
+                    "offset": None,
+                    "sub_offset": 0,
+                    "content_type": None,
+                    "fork": named(cluster, "never", "b"),
+                    "pin": "0123456789ab",
+                },
             )
             assert answer["base"] == 3
         finally:
@@ -160,18 +168,25 @@ def test_cluster_calls_are_for_members_only(cluster: Cluster, client: httpx.Clie
         peers = Peers(cluster.placement, "b", SECRET)
         member = peers.member_of("a")
         try:
+            missing = named(cluster, "nope", "a")
             for op, payload, code in (
                 ("fork.nothing", {}, "unknown_cluster_call"),
                 ("fork.read", {"source": 5}, "bad_cluster_call"),
-                ("fork.read", {"source": named(cluster, "nope", "a"), "start": 0, "max": 1, "limit": 1},
-                 "fork_source_missing"),  # fmt: skip
-                ("fork.attach", {"source": named(cluster, "nope", "a"), "offset": None, "sub_offset": 0,
-                                 "fork": "x", "pin": "p"}, "stream_not_found"),  # fmt: skip
+                ("fork.read", {"source": missing, "start": 0, "max": 1, "limit": 1}, "fork_source_missing"),
+                ("fork.attach", {"source": missing, "offset": None, "sub_offset": 0, "fork": "x", "pin": "p"},
+                 "stream_not_found"),
             ):
                 with pytest.raises(Exception) as raised:
                     await peers.call(member, op, payload)
                 assert getattr(raised.value, "code", None) == code, (op, raised.value)
         finally:
             await peers.aclose()
+        stale = Peers(Placement.of(list(cluster.placement.members), 2), "b", SECRET)
+        try:
+            with pytest.raises(ProtocolError) as raised:
+                await stale.call(stale.member_of("a"), "fork.exists", {"forks": []})
+            assert raised.value.code == "stale_placement" and raised.value.status == 503
+        finally:
+            await stale.aclose()
 
     trio.run(odd_calls)

@@ -46,6 +46,7 @@ from streamkeep.storage.errors import STORAGE_ERRORS, RetainedAway, as_protocol_
 log = logging.getLogger(__name__)
 
 PRESENT, ABSENT, PENDING = "present", "absent", "pending"
+RETRY_FIRST = 5.0  # seconds until a reconcile that missed a member tries again (then doubling)
 
 
 class RemoteForks:
@@ -59,6 +60,7 @@ class RemoteForks:
         self.reconcile_interval = reconcile_interval
         self.health = Health()
         self._attaching: set[str] = set()
+        self._missed = False  # the last reconcile could not settle every pin
         self.remote_reads = 0  # inherited ranges this member's forks read from another member
         self.attached = 0  # forks other members made of this member's streams
         self.pins_dropped = 0
@@ -208,9 +210,15 @@ class RemoteForks:
     async def run(self) -> None:
         """Reconciles at start and every `reconcile_interval`; an unreachable member is retried
         on the next round (logged once, counted in /stats), never taken as "absent"."""
+        retry = RETRY_FIRST
         while True:
             await self.reconcile_once()
-            await trio.sleep(self.reconcile_interval)
+            if self._missed:  # a member did not answer, or a pin could not go: again soon, backing off
+                await trio.sleep(min(retry, self.reconcile_interval))
+                retry *= 2
+            else:
+                retry = RETRY_FIRST
+                await trio.sleep(self.reconcile_interval)
 
     async def reconcile_once(self) -> int:
         """Drops the pins whose fork its member says is gone; returns how many."""
@@ -222,6 +230,7 @@ class RemoteForks:
             for pin, fork_name, _ in stream_log.meta.remote_forks:
                 by_member.setdefault(self._owner(fork_name).id, []).append((name, fork_name, pin))
         dropped = 0
+        self._missed = False
         for member_id, pins in by_member.items():
             if member_id == self.peers.member:
                 states = [self._state(fork_name, pin) for _, fork_name, pin in pins]
@@ -233,6 +242,7 @@ class RemoteForks:
                     states = [str(state) for state in answer["states"]]
                 except ProtocolError as error:
                     self.health.failed(f"fork pin reconcile with {member_id}", error.message)
+                    self._missed = True
                     continue
                 self.health.ok(f"fork pin reconcile with {member_id}")
             for (source, fork_name, pin), state in zip(pins, states, strict=True):
@@ -242,6 +252,7 @@ class RemoteForks:
                     await self.supervisor.call(source, "detach_fork", pin)
                 except ProtocolError as error:
                     self.health.failed("fork pin reconcile", f"{source}: {error.message}")
+                    self._missed = True
                     continue
                 dropped += 1
                 log.warning("cluster: fork %r of %r is gone; dropped its pin on the source", fork_name, source)

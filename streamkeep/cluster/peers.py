@@ -62,6 +62,14 @@ class PeerOps:
         if caller is None:
             raise ProtocolError(403, "members_only", f"{PREFIX} is for calls between cluster members")
         try:
+            epoch = request.headers.get("streamkeep-placement-epoch")
+            if epoch != str(placement.epoch):  # members with different maps must not act for each other
+                raise ProtocolError(
+                    503,
+                    "stale_placement",
+                    f"the caller runs placement epoch {str(epoch)[:20]}, this member {placement.epoch}",
+                    [("Retry-After", "1")],
+                )
             answer = await self._dispatch(caller, request)
         except ProtocolError as error:
             self.refused += 1
