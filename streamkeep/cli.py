@@ -162,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data-dir", default="data/cluster", help="one directory per process below this")
     run.add_argument("--tls-cert", default=None, help="PEM certificate for the front door (with --tls-key)")
     run.add_argument("--tls-key", default=None, help="PEM private key for the front door")
+    resize = cluster_commands.add_parser(
+        "resize",
+        help="add or remove processes of a stopped `cluster run` cluster, moving streams that change owner",
+        description="Moves every stream whose owner changes to its new member (growing from N to N+1 "
+        "moves only the ~1/(N+1) of the slots the newcomer wins), puts fork pins right and bumps the "
+        "placement epoch. Every member must have stopped cleanly. Safe to run again after an "
+        "interruption: it finishes the same plan. docs/scaling.md §9.",
+    )
+    resize.add_argument("--data-dir", required=True, help="the cluster's directory (as given to cluster run)")
+    resize.add_argument("--processes", type=int, required=True, help="how many processes from now on")
     return parser
 
 
@@ -363,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cluster":
         if args.cluster_command == "haproxy-config":
             return _haproxy_config(args)
+        if args.cluster_command == "resize":
+            return _cluster_resize(args)
         parser.parse_args(["cluster", "--help"])
         return 2
     if args.command != "serve":
@@ -418,6 +430,19 @@ def _cluster_run(args: argparse.Namespace, serve_args: list[str]) -> int:
     except ClusterError as error:
         print(f"streamkeep cluster run: {error}", file=sys.stderr)
         return 2
+
+
+def _cluster_resize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from streamkeep.cluster.resize import ResizeError, resize
+
+    try:
+        resize(Path(args.data_dir), args.processes)
+    except ResizeError as error:
+        print(f"streamkeep cluster resize: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _haproxy_config(args: argparse.Namespace) -> int:

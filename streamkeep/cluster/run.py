@@ -25,6 +25,7 @@ from pathlib import Path
 
 from streamkeep.cluster import haproxy
 from streamkeep.cluster.placement import Member, Placement
+from streamkeep.storage import files
 
 STOP_GRACE = 15.0
 
@@ -33,19 +34,32 @@ class ClusterError(Exception):
     """What the person starting the cluster must fix, said so they can."""
 
 
-def member_ids(data_dir: Path, processes: int) -> list[str]:
-    """The member ids of DIR's cluster: recorded at its first run, and only ever those."""
-    recorded = data_dir / "cluster.toml"
+def recorded(data_dir: Path) -> tuple[list[str], int]:
+    """The member ids and placement epoch DIR/cluster.toml records ([], 1 for a new directory)."""
+    path = data_dir / "cluster.toml"
+    if not path.exists():
+        return [], 1
+    table = tomllib.loads(path.read_text()).get("cluster", {})
+    return [m["id"] for m in table.get("members", [])], int(table.get("epoch", 1))
+
+
+def member_ids(data_dir: Path, processes: int) -> tuple[list[str], int]:
+    """The member ids of DIR's cluster and its epoch: recorded at its first run, and only ever
+    those (`streamkeep cluster resize` changes them)."""
+    if (data_dir / "resize.json").exists():
+        raise ClusterError(
+            f"a resize of {data_dir} was interrupted ({data_dir / 'resize.json'}); run "
+            "`streamkeep cluster resize` again with the same --processes to finish it"
+        )
     ids = [f"m{i}" for i in range(processes)]
-    if recorded.exists():
-        known = [m["id"] for m in tomllib.loads(recorded.read_text()).get("cluster", {}).get("members", [])]
-        if known != ids:
-            raise ClusterError(
-                f"{data_dir} holds a cluster of {len(known)} processes ({', '.join(known)}); run it with "
-                f"--processes {len(known)}. Changing the members moves streams between processes, an "
-                "explicit operation (docs/scaling.md), not a flag."
-            )
-    return ids
+    known, epoch = recorded(data_dir)
+    if known and known != ids:
+        raise ClusterError(
+            f"{data_dir} holds a cluster of {len(known)} processes ({', '.join(known)}); run it with "
+            f"--processes {len(known)}, or move its streams first with `streamkeep cluster resize "
+            f"--data-dir {data_dir} --processes {processes}` (docs/scaling.md §9)"
+        )
+    return ids, epoch
 
 
 def relay(member_id: str, process: subprocess.Popen[str]) -> None:
@@ -86,9 +100,8 @@ def free_port(host: str) -> int:
 
 def write_toml(path: Path, members: list[Member], epoch: int) -> None:
     listed = ", ".join(f'{{id = "{m.id}", address = "{m.address}"}}' for m in members)
-    path.write_text(
-        f"# Written by `streamkeep cluster run`.\n[cluster]\nepoch = {epoch}\nmembers = [{listed}]\n"
-    )
+    text = f"# Written by `streamkeep cluster`.\n[cluster]\nepoch = {epoch}\nmembers = [{listed}]\n"
+    files.replace(files.OS, path.parent, path.name, text.encode())  # whole or not at all
 
 
 def wait_until_up(url: str, process: subprocess.Popen, what: str, seconds: float = 60) -> None:  # type: ignore[type-arg]
@@ -128,11 +141,11 @@ def run(
     if found is None:
         raise ClusterError("haproxy is not installed: apt-get install haproxy (make system-tools does)")
     data_dir.mkdir(parents=True, exist_ok=True)
-    ids = member_ids(data_dir, processes)
+    ids, epoch = member_ids(data_dir, processes)
     if port == 0:
         port = free_port(host)  # HAProxy would pick one too, but not tell us which
     members = [Member(member_id, f"127.0.0.1:{free_port('127.0.0.1')}") for member_id in ids]
-    placement = Placement.of(members, 1)
+    placement = Placement.of(members, epoch)
     toml = data_dir / "cluster.toml"
     write_toml(toml, members, placement.epoch)
     secret = cluster_secret(data_dir)
