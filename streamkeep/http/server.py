@@ -19,6 +19,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth import setup as auth_setup
 from streamkeep.background import supervised
+from streamkeep.cluster import registry_setup as cluster_registry
 from streamkeep.cluster.forks import RemoteForks
 from streamkeep.cluster.forward import Forwarder
 from streamkeep.cluster.peers import Peers
@@ -295,7 +296,11 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
         if isinstance(storage, DiskStorage):
             service.compactor = Compactor(service.supervisor, nursery)
             service.stats_sources["compaction"] = service.compactor.stats
-        if settings.registry.enabled:
+        registry_once_ready = None
+        if settings.registry.enabled and service.placement is not None:
+            # One registry for the cluster, on the member owning the name; the others relay to it.
+            registry_once_ready = await cluster_registry.start(service, nursery)
+        elif settings.registry.enabled:
             # Before streams are served: it lists what recovery found (a crash may have come
             # between a create or delete and its entry), or stops the server over a stream it
             # cannot adopt (RegistryConflict).
@@ -306,7 +311,7 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
             service.stats_sources["registry"] = registry.stats
             nursery.start_soon(supervised, "registry", registry.run, registry.health)
         rules = [RetentionRule(**rule) for rule in settings.retention.rules]
-        if settings.registry.enabled and isinstance(storage, DiskStorage):
+        if service.registry is not None and isinstance(storage, DiskStorage):  # kept here
             rules.insert(0, registry_keeper.RETENTION_RULE)  # first: no user rule may drop its entries
         if isinstance(storage, DiskStorage) and rules:
             supervisor = service.supervisor
@@ -337,6 +342,8 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
         if gate is not None:
             service.stats_sources["auth"] = gate.stats
         service.not_ready = None
+        if registry_once_ready is not None:
+            nursery.start_soon(registry_once_ready)  # a relay's repair: the keeper calls us back
         for bind in binds:
             # Tests and scripts read this line to find the port when started with --port 0; it
             # comes once streams are served.

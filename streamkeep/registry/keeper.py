@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -35,7 +35,7 @@ from streamkeep.protocol.stream import AppendSpec, CreateSpec, StreamMeta
 from streamkeep.registry import entries
 from streamkeep.registry.entries import CONTENT_TYPE, NAME
 from streamkeep.storage import forks
-from streamkeep.storage.base import StreamLog
+from streamkeep.storage.base import Storage, StreamLog
 from streamkeep.storage.directory import FormatError
 from streamkeep.storage.retention import RetentionRule
 
@@ -100,6 +100,16 @@ class RegistryKeeper:
 
     async def reconcile(self) -> None:
         """Appends what makes the registry list exactly the live streams in storage."""
+        await self._reconcile(self._wanted)
+
+    async def _wanted(self, listed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """What the registry should list, given what it lists now (a cluster's keeper asks the
+        other members for their part: streamkeep/cluster/registry.py)."""
+        return self._live()
+
+    async def _reconcile(
+        self, wanted: Callable[[dict[str, Any]], Awaitable[dict[str, dict[str, Any]]]]
+    ) -> None:
         async with self._lock:  # no entry is decided meanwhile: none can slip between fold and diff
             stream_log = await self._open()
             await stream_log.latest_commit().settled()  # entries in flight are on disk, or failed
@@ -109,17 +119,19 @@ class RegistryKeeper:
                 await fold_range(self.storage, stream_log, fold, floor, stream_log.published_tail, READ_CHUNK)
             except ProtocolError as error:
                 if error.code == "not_state_message":  # only an adopted stream can hold one
-                    raise _conflict(f"it holds a message that is not a State Protocol one ({error.message})") from None
+                    raise _conflict(
+                        f"it holds a message that is not a State Protocol one ({error.message})"
+                    ) from None
                 raise
             listed = entries.listed(fold)
-            live = self._live()
+            live = await wanted(listed)
             messages = entries.changes(listed, live)
             if messages:
                 pending = await self._submit(messages)
                 await pending.wait()
                 self.repairs += 1
                 log.info(
-                    "registry: %d entries appended to list the %d streams in storage",
+                    "registry: %d entries appended to list the %d live streams",
                     len(messages),
                     len(live),
                 )
@@ -140,26 +152,36 @@ class RegistryKeeper:
         self._repair.set()
 
     async def _change(self, name: str, entry: dict[str, Any] | None) -> None:
-        """Appends an insert (`entry`) or a delete (None) of `name` unless the registry already
-        says so (a reconcile may have got there first; a soft-deleted stream is deleted twice).
-        Never raises: the stream's own change happened, and a failed entry is repaired later."""
+        """Appends an insert (`entry`) or a delete (None) of `name`. Never raises: the stream's own
+        change happened, and a failed entry is repaired later."""
         try:
-            async with self._lock:
-                if self.listed.get(name) == entry:
-                    return
-                message = entries.delete(name) if entry is None else entries.insert(name, entry)
-                pending = await self._submit([message])
-                if entry is None:
-                    self.listed.pop(name, None)
-                    self.deletes += 1
-                else:
-                    self.listed[name] = entry
-                    self.inserts += 1
-            await pending.wait()  # outside the lock: entries of concurrent changes share a sync
+            await self._record(name, entry)
         except Exception as error:
             self._failed(error)
         else:
             self.health.ok("registry")
+
+    async def _record(
+        self, name: str, entry: dict[str, Any] | None, still_due: Callable[[], None] | None = None
+    ) -> None:
+        """Appends the entry unless the registry already says so (a reconcile may have got there
+        first; a soft-deleted stream is deleted twice); raises what failed. `still_due` runs once
+        the entry's turn has come and may refuse it by raising (a member's change that waited too
+        long, streamkeep/cluster/registry.py)."""
+        async with self._lock:
+            if still_due is not None:
+                still_due()
+            if self.listed.get(name) == entry:
+                return
+            message = entries.delete(name) if entry is None else entries.insert(name, entry)
+            pending = await self._submit([message])
+            if entry is None:
+                self.listed.pop(name, None)
+                self.deletes += 1
+            else:
+                self.listed[name] = entry
+                self.inserts += 1
+        await pending.wait()  # outside the lock: entries of concurrent changes share a sync
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -180,18 +202,7 @@ class RegistryKeeper:
         return await self.supervisor.call(NAME, "append", AppendSpec(CONTENT_TYPE, body, False, None, None))
 
     def _live(self) -> dict[str, dict[str, Any]]:
-        """The entries of the streams clients can use now: not soft-deleted, not past their TTL
-        or expiry (the sweep is about to delete those, and their entry would only go then)."""
-        now = self.clock()
-        live = {}
-        for name in self.storage.names():
-            stream_log = self.storage.open(name)
-            if name == NAME or stream_log is None or getattr(stream_log, "deleted", False):
-                continue
-            meta = stream_log.meta
-            if not meta.soft_deleted and not meta.expired(now):
-                live[name] = entries.value(meta)
-        return live
+        return live_streams(self.storage, self.clock())
 
     def _failed(self, error: Exception) -> None:
         message = error.message if isinstance(error, ProtocolError) else repr(error)
@@ -207,6 +218,20 @@ class RegistryKeeper:
             "repairs": self.repairs,
             **self.health.stats(),
         }
+
+
+def live_streams(storage: Storage, now: float) -> dict[str, dict[str, Any]]:
+    """The entries of the streams clients can use now: not soft-deleted, not past their TTL or
+    expiry (the sweep is about to delete those, and their entry would only go then)."""
+    live = {}
+    for name in storage.names():
+        stream_log = storage.open(name)
+        if name == NAME or stream_log is None or getattr(stream_log, "deleted", False):
+            continue
+        meta = stream_log.meta
+        if not meta.soft_deleted and not meta.expired(now):
+            live[name] = entries.value(meta)
+    return live
 
 
 def _conflict(reason: str) -> RegistryConflict:
