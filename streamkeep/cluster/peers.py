@@ -15,6 +15,7 @@ Each part registers the operations it answers in `PeerOps` (forks: `fork.*`, sub
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
 
 PREFIX = "/_cluster/"
+# httpx logs every request at INFO: one line per call between members would drown the server's own.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 CONTENT_TYPE = "application/cbor"
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
