@@ -24,6 +24,8 @@ from streamkeep.cluster.forks import RemoteForks
 from streamkeep.cluster.forward import Forwarder
 from streamkeep.cluster.peers import Peers
 from streamkeep.cluster.placement import SLOTS, Member, Placement
+from streamkeep.cluster.subscriptions import SubscriptionPeers
+from streamkeep.cluster.subscriptions_view import RemoteStreams
 from streamkeep.compaction import Compactor
 from streamkeep.http import hypercorn_fixes
 from streamkeep.http.app import create_app
@@ -329,13 +331,25 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
         if isinstance(storage.remote, RemoteForks):
             nursery.start_soon(supervised, "fork pin reconcile", storage.remote.run, storage.remote.health)
         state = data_dir
-        keys = await trio.to_thread.run_sync(Keys, None if state is None else state / "keys")
+        # In a cluster with a secret, subscriptions follow every member's streams and every member
+        # signs webhooks with the one key derived from the secret (streamkeep/cluster/subscriptions.py).
+        peers = service.peers
+        shared = None if peers is None else settings.cluster.secret
+        keys = await trio.to_thread.run_sync(partial(Keys, None if state is None else state / "keys", cluster_secret=shared))
+        view = None if peers is None else RemoteStreams(peers.placement, peers.member, storage)
         service.subscriptions = SubscriptionManager(
             service.supervisor,
             keys,
             state_dir=None if state is None else state / "subscriptions",
             allow_loopback_webhooks=settings.server.allow_loopback_webhooks,
+            view=view,
         )
+        if peers is not None and view is not None:
+            service.subscriptions.attach(
+                SubscriptionPeers(
+                    service.subscriptions, view, peers, service.peer_ops, service.forwarder, settings.cluster.secret
+                )
+            )
         await nursery.start(service.subscriptions.run)
         sources.subscriptions = service.subscriptions
         service.stats_sources["subscriptions"] = service.subscriptions.stats

@@ -30,6 +30,7 @@ from streamkeep.subscriptions.config import (
 from streamkeep.subscriptions.delivery import Delivery, token_ttl
 from streamkeep.subscriptions.faults import Faults
 from streamkeep.subscriptions.links import Links
+from streamkeep.subscriptions.remote import Remote
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.subscriptions.state import Owner, Subscription, Wake
 from streamkeep.subscriptions.store import Store
@@ -89,6 +90,7 @@ class ControlApi:
         self.allow_loopback = allow_loopback
         self.now = now
         self._creating = trio.Lock()  # one creation at a time: two PUTs of one id cannot both win
+        self.remote: Remote | None = None  # in a cluster: the other members' streams
 
     async def handle(self, request: Request) -> Response:
         rest = request.raw_path[len(CONTROL_PREFIX) :]
@@ -234,8 +236,16 @@ class ControlApi:
             host = request.headers.get("host") or "localhost"
             created = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
             sub = Subscription(sub_id, config, created, f"{request.scheme}://{host}", owner=owner)
+            if self.remote is not None:
+                # Before the backfill: it links the other members' matching streams at their tails.
+                await self.remote.announce(sub)
             self.links.backfill(sub)
-            await self.store.save(sub)  # saved first: a refused save leaves no trace in memory
+            try:
+                await self.store.save(sub)  # saved first: a refused save leaves no trace in memory
+            except BaseException:
+                if self.remote is not None:
+                    self.remote.forget(sub)  # nor on the other members
+                raise
             self.subs[sub_id] = sub
             self.delivery.start(sub)
         return _json(201, self._view(sub))
@@ -256,6 +266,8 @@ class ControlApi:
                 if self.subs.get(sub.id) is sub:
                     del self.subs[sub.id]
                 self.faults.forget(sub)
+                if self.remote is not None:
+                    self.remote.forget(sub)
         sub.poke()
         return Response(204)
 
@@ -271,6 +283,8 @@ class ControlApi:
             for path in paths:
                 if not principal.grants.allows("read", path):
                     raise _forbidden(f"this token does not grant read on {path!r}")
+        if self.remote is not None:
+            await self.remote.announce(sub, paths)  # their members' tails, and later changes
         async with sub.lock:
             if sub.deleted:
                 raise _not_found(sub.id)
@@ -354,6 +368,9 @@ class ControlApi:
             claims = self._authorized(request, sub, kind)
             wake = self._check_current(sub, claims, body)
             acks = self._parse_acks(body)
+            if self.remote is not None and acks:
+                # An ack may be past the tail its member last told us of: ask before judging it.
+                await self.remote.refresh(sub, [(path, offset.position) for path, offset in acks])
             self.links.absorb(sub)
             next_wake = False
             async with self.store.change(sub):
@@ -408,6 +425,13 @@ class ControlApi:
                     current_holder=wake.holder,
                     generation=wake.generation,
                 )
+            issuing = wake is None or wake.holder is not None
+            if self.remote is not None and issuing and not self.links.pending(sub):
+                # Another member's stream may have taken an append it has not reported yet: a
+                # client that appended and then claims must find that work (read your writes).
+                await self.remote.catch_up(sub)
+                self.links.absorb(sub)
+                now = self.now()
             async with self.store.change(sub, links=False):
                 if wake is None or wake.holder is not None:  # none issued yet, or an expired claim
                     if not self.links.pending(sub):

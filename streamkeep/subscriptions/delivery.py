@@ -26,6 +26,7 @@ from streamkeep.protocol.stream import AppendSpec
 from streamkeep.subscriptions.config import CONTROL_PREFIX, refuse_wake_stream
 from streamkeep.subscriptions.faults import Faults, backoff
 from streamkeep.subscriptions.links import Links
+from streamkeep.subscriptions.remote import Remote
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.subscriptions.state import Subscription, Wake
 from streamkeep.subscriptions.store import Store
@@ -62,6 +63,7 @@ class Delivery:
         self.now = now
         self._nursery: trio.Nursery | None = None
         self._http: httpx.AsyncClient | None = None
+        self.remote: Remote | None = None  # in a cluster: wake streams of other members
         # For metrics: webhook posts answered 2xx ("delivered") or not ("failed"), posts after a
         # failure ("retried"), and wake events appended to pull-wake streams ("announced").
         self.counts: Counter[str] = Counter()
@@ -159,11 +161,9 @@ class Delivery:
         wake_stream = sub.config.wake_stream or ""
         try:
             refuse_wake_stream(wake_stream, ())  # one saved before the name was reserved
-            spec = AppendSpec.from_request(
-                Headers([("Content-Type", "application/json")]), json.dumps(event).encode()
-            )
-            pending = await self.supervisor.call(wake_stream, "append", spec)
-            await pending.wait()
+            body = json.dumps(event).encode()
+            if self.remote is None or not await self.remote.append_wake(wake_stream, body):
+                await append_wake_event(self.supervisor, wake_stream, body)
             self.counts["announced"] += 1
         except Exception as error:
             # Withdrawn in memory only: a saved wake is void after a restart anyway, and a wake
@@ -247,3 +247,10 @@ class Delivery:
         except ValueError:
             return True, False
         return True, isinstance(answer, dict) and answer.get("done") is True
+
+
+async def append_wake_event(supervisor: Supervisor, wake_stream: str, body: bytes) -> None:
+    """Appends one wake event to a wake stream of this member, durably."""
+    spec = AppendSpec.from_request(Headers([("Content-Type", "application/json")]), body)
+    pending = await supervisor.call(wake_stream, "append", spec)
+    await pending.wait()

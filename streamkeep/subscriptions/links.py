@@ -12,23 +12,34 @@ absorbed under its lock before the next change, so links follow the streams:
 
 All of this is derived from the streams themselves, so it is redone after a restart (`reconcile`)
 rather than saved at every publish.
+
+In a cluster the streams are read through a `StreamView` (remote.py): other members' streams as
+their members last told us, and a stream not heard of yet changes no link.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, bad_request
-from streamkeep.storage.base import Storage, StreamLog
+from streamkeep.storage.base import Storage
+from streamkeep.subscriptions.remote import StreamView
 from streamkeep.subscriptions.state import UNKNOWN_STREAM_ID, Link, Subscription, Tail, Wake
 
 
 class Links:
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, view: StreamView | None = None) -> None:
         self.storage = storage
+        # Alone, the storage's own methods, bound once: no extra step on the way to a stream.
+        self._open = storage.open if view is None else view.open
+        self._names = storage.names if view is None else view.names
+        self._unknown = None if view is None else view.unknown
         self.cursor_jumps = 0  # cursors moved up to a retention floor (metrics)
 
-    def _live(self, path: str) -> StreamLog | None:
-        stream_log = self.storage.open(path)
+    def _live(self, path: str) -> Any:
+        """The stream's log (or a remote stream's last known state), None if it is gone."""
+        stream_log = self._open(path)
         if stream_log is None or stream_log.meta.soft_deleted:
             return None
         return stream_log
@@ -51,6 +62,8 @@ class Links:
         if path == sub.config.wake_stream:
             sub.links.pop(path, None)  # linked by an older version: it would wake itself forever
             return
+        if self._unknown is not None and self._unknown(path):
+            return  # another member's stream it has not told us about yet: it will
         stream_log = self._live(path)
         link = sub.links.get(path)
         if stream_log is None:
@@ -84,7 +97,7 @@ class Links:
         for path in list(sub.links):
             self.refresh(sub, path)
         if sub.config.pattern is not None:
-            for path in self.storage.names():
+            for path in self._names():
                 if path not in sub.links:
                     self.refresh(sub, path)
 
@@ -93,7 +106,7 @@ class Links:
     def backfill(self, sub: Subscription) -> None:
         """A new subscription: existing matches and explicit streams are linked at their tails, so
         creating it replays nothing (§6.2)."""
-        for path in self.storage.names():
+        for path in self._names():
             if sub.matches(path) and (stream_log := self._live(path)) is not None:
                 sub.links[path] = Link(
                     stream_log.published_tail, glob=True, stream_id=stream_log.meta.stream_id
@@ -117,7 +130,8 @@ class Links:
         if link is None or not link.explicit:
             return
         link.explicit = False
-        link.glob = sub.matches(path) and self._live(path) is not None
+        unknown = self._unknown is not None and self._unknown(path)
+        link.glob = sub.matches(path) and (unknown or self._live(path) is not None)
         if not link.glob:
             del sub.links[path]
 

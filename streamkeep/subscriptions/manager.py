@@ -3,6 +3,9 @@ API together, and is what the server sees (`run`, `handle`, `stream_changed`, `s
 
 With a state directory (disk storage), every change is saved before it is answered, so a crash
 between a wake and its ack replays the wake: nothing acknowledged is redone, nothing unacked lost.
+
+In a cluster (`attach`), the links read other members' streams through the cluster's view, and
+`stream_changed` also hears of their changes, as their members report them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from streamkeep.subscriptions.config import CONTROL_PREFIX
 from streamkeep.subscriptions.delivery import Delivery
 from streamkeep.subscriptions.faults import Faults
 from streamkeep.subscriptions.links import Links
+from streamkeep.subscriptions.remote import Remote, StreamView
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.subscriptions.state import Subscription
 from streamkeep.subscriptions.store import Store
@@ -42,12 +46,14 @@ class SubscriptionManager:
         state_dir: Path | None,
         allow_loopback_webhooks: bool,
         now: Callable[[], float] = time.time,
+        view: StreamView | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.subs: dict[str, Subscription] = {}
         self.faults = Faults()
         self.store = Store(state_dir, self.faults)
-        self.links = Links(supervisor.storage)
+        self.links = Links(supervisor.storage, view)
+        self.remote: Remote | None = None
         self.delivery = Delivery(
             supervisor,
             self.links,
@@ -69,6 +75,10 @@ class SubscriptionManager:
         )
         self._listener_failed = False
 
+    def attach(self, remote: Remote) -> None:
+        """Makes this member's subscriptions follow the streams of the whole cluster."""
+        self.remote = self.api.remote = self.delivery.remote = remote
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Listening first: a stream that changes while the state loads is noticed, and what
         # happened before is found by `reconcile`, right after the load with no checkpoint between.
@@ -77,20 +87,27 @@ class SubscriptionManager:
             for sub in await trio.to_thread.run_sync(self.store.load):
                 self.links.reconcile(sub)
                 self.subs[sub.id] = sub
-            async with self.delivery.open():
+            async with self.delivery.open(), trio.open_nursery() as nursery:
                 for sub in self.subs.values():
                     self.delivery.start(sub)
+                if self.remote is not None:
+                    await nursery.start(self.remote.run)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             self.supervisor.listeners.remove(self.stream_changed)
 
     async def handle(self, request: Request) -> Response:
+        if self.remote is not None:
+            routed = await self.remote.route(request)
+            if routed is not None:
+                return routed
         return await self.api.handle(request)
 
     def stream_changed(self, path: str) -> None:
-        """Called by the stream's actor at every publish, create and delete, synchronously: only
-        notes the path on the subscriptions that care and pokes their drivers."""
+        """Called by the stream's actor at every publish, create and delete, synchronously (and in
+        a cluster for another member's stream when its member tells of a change): only notes the
+        path on the subscriptions that care and pokes their drivers."""
         try:
             for sub in self.subs.values():
                 if self.links.notice(sub, path):
@@ -145,4 +162,5 @@ class SubscriptionManager:
             "task_failures": faults.task_failures,
             "last_error": faults.last_error,
             "deliveries": dict(self.delivery.counts),
+            **({} if self.remote is None else {"cluster": self.remote.stats()}),
         }

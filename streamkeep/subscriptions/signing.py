@@ -1,4 +1,14 @@
-"""Webhook signing keys (Ed25519, published as a JWK Set) and callback/claim tokens (HMAC)."""
+"""Webhook signing keys (Ed25519, published as a JWK Set) and callback/claim tokens (HMAC).
+
+Alone, a server makes its signing key once and keeps it in its data directory. In a cluster every
+member must sign with the same key, so a receiver that fetched the JWKS from any member (the front
+door routes `jwks.json` like a stream path, to whichever member its slot names) verifies a webhook
+sent by any other: the key is derived from the cluster secret the members already share (HMAC-SHA256
+under a label of its own, used as the Ed25519 seed). Nothing to distribute or keep in sync, and the
+same on every member by construction; rotating the cluster secret rotates the key (its `kid`, a
+thumbprint, changes with it, so receivers look it up again). Callback and claim tokens stay per
+member: only the member that owns a subscription checks them (the others forward its requests).
+"""
 
 from __future__ import annotations
 
@@ -33,6 +43,8 @@ def _unb64url(text: str) -> bytes:
 KEY_FILE = "webhook-ed25519.pem"
 SECRET_FILE = "token-secret"
 SECRET_BYTES = 32
+# What the cluster's webhook key is derived under: a key of its own, never usable as anything else.
+CLUSTER_KEY_LABEL = b"streamkeep cluster webhook signing key v1"
 
 
 class KeyFileError(Exception):
@@ -43,14 +55,18 @@ class Keys:
     """The server's webhook signing key and token secret; persisted in `directory` when given, so
     `kid`s stay stable and tokens stay valid across restarts."""
 
-    def __init__(self, directory: Path | None) -> None:
+    def __init__(self, directory: Path | None, *, cluster_secret: str | None = None) -> None:
         if directory is None:
-            self._private = Ed25519PrivateKey.generate()
             self._secret = secrets.token_bytes(SECRET_BYTES)
         else:
             files.makedirs(files.OS, directory)
-            self._private = _load_or_create(directory, KEY_FILE, _new_key_pem, _parse_key)
             self._secret = _load_or_create(directory, SECRET_FILE, _new_secret, _parse_secret)
+        if cluster_secret is not None:
+            self._private = cluster_key(cluster_secret)
+        elif directory is None:
+            self._private = Ed25519PrivateKey.generate()
+        else:
+            self._private = _load_or_create(directory, KEY_FILE, _new_key_pem, _parse_key)
         raw = self._private.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
@@ -98,6 +114,12 @@ class Keys:
         if not isinstance(claims.get("e"), int) or claims["e"] < time.time():
             return None
         return claims
+
+
+def cluster_key(cluster_secret: str) -> Ed25519PrivateKey:
+    """The webhook signing key every member of a cluster derives from its shared secret."""
+    seed = hmac.new(cluster_secret.encode(), CLUSTER_KEY_LABEL, hashlib.sha256).digest()
+    return Ed25519PrivateKey.from_private_bytes(seed)
 
 
 def _load_or_create(
