@@ -54,8 +54,9 @@ def server_stats(url: str, ca: Path | None, token: str | None) -> dict:
 
 
 def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2: bool) -> int:
-    """Through a cluster's front door: forks must have crossed members (the suite's names hash
-    to both), or the run proved nothing about them."""
+    """Through a cluster's front door: forks must have crossed members both ways and some
+    subscription must have followed a stream on another member (the suite's names hash to both),
+    or the run proved nothing about them; over TLS, clients must have spoken h2 to HAProxy."""
     import json
     import ssl
     import urllib.request
@@ -72,6 +73,10 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
             "inherited_reads_from_elsewhere": view.get("cluster_forks", {}).get("remote_reads", 0),
             "forwarded_requests": view.get("cluster", {}).get("forwarded_requests", 0),
             "client_http_versions": view.get("cluster", {}).get("requests_by_client_http_version", {}),
+            "stream_reports_to_subscription_keepers": sum(
+                peer.get("reported", 0)
+                for peer in view.get("subscriptions", {}).get("cluster", {}).get("members", {}).values()
+            ),
             "streams": view.get("streams"),
         }
         for member, view in sorted(members.items())
@@ -82,6 +87,9 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
         return 1
     if not all(c["forks_of_its_streams_elsewhere"] and c["inherited_reads_from_elsewhere"] for c in crossed.values()):
         print("conformance: forks did not cross members both ways", file=sys.stderr)
+        return 1
+    if not sum(c["stream_reports_to_subscription_keepers"] for c in crossed.values()):
+        print("conformance: no subscription followed a stream on another member", file=sys.stderr)
         return 1
     if http2:
         spoken: Counter[str] = Counter()

@@ -25,7 +25,7 @@ from streamkeep.auth.errors import AuthError
 from streamkeep.auth.gate import Gate, auth_response
 from streamkeep.auth.tokens import Principal
 from streamkeep.cluster import peers
-from streamkeep.cluster.forward import HEADER, Forwarder, forwarded_by
+from streamkeep.cluster.forward import HEADER, Forwarder, as_the_client_sent, forwarded_by
 from streamkeep.cluster.peers import PeerOps, Peers
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.compaction import Compactor
@@ -230,6 +230,7 @@ class Service:
         placement = self.placement
         assert placement is not None
         by = forwarded_by(request, self.cluster_secret, placement.members)
+        as_the_client_sent(request, by)
         if by is None:
             version = request.headers.get("streamkeep-client-http-version")
             if version is not None:  # set by the front door (haproxy.py)

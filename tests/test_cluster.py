@@ -193,7 +193,9 @@ def test_cluster_run_starts_members_and_haproxy_over_h1_h2c_and_tls_and_stops_th
         assert {placement.owner(name).id for name in names} == {"m0", "m1"}
         with httpx.Client(verify=str(ca), http2=True, timeout=10) as h2:
             for name in names:
-                assert h2.put(f"{runner.url}/v1/stream/{name}", headers={"Content-Type": "text/plain"}).status_code == 201
+                created = h2.put(f"{runner.url}/v1/stream/{name}", headers={"Content-Type": "text/plain"})
+                assert created.status_code == 201
+                assert created.headers["location"] == f"{runner.url}/v1/stream/{name}"  # the client's scheme
                 answer = h2.post(f"{runner.url}/v1/stream/{name}", content=b"hi", headers={"Content-Type": "text/plain"})
                 assert answer.status_code == 204 and answer.http_version == "HTTP/2"  # ALPN h2 at the front door
                 assert h2.get(f"{runner.url}/v1/stream/{name}?offset=-1").content == b"hi"
@@ -257,6 +259,8 @@ def test_a_member_forwards_streams_it_does_not_own_and_guards_against_loops(clus
             odd = "%" + other.encode()[0:1].hex().upper() + other[1:]  # "%66w/3" for "fw/3"
             created = h1.put(f"{cluster.front}/v1/stream/{odd}", headers=text)
             assert created.status_code == (200 if other == name else 201), (odd, created.text)
+            if created.status_code == 201:  # made by the owner, named as the client reached it
+                assert created.headers["location"] == f"{cluster.front}/v1/stream/{odd}"
             assert h1.head(f"{cluster.direct(cluster.placement.owner(other).id)}/v1/stream/{other}").status_code == 200
         # Only members may claim to be one, and a forwarded request never travels twice.
         fake = h1.get(f"{b}/v1/stream/{name}", headers={"Streamkeep-Forwarded": "a 1 00"})

@@ -24,13 +24,19 @@ import trio
 from streamkeep.cluster.placement import Member
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.headers import HOP_BY_HOP
-from streamkeep.protocol.model import Request, Response
+from streamkeep.protocol.model import Headers, Request, Response
 
 HEADER = "streamkeep-forwarded"
+# What a member behind the front door cannot see for itself: the Host the client sent (a
+# forwarded request is sent to the owner's address) and the scheme it used (HAProxy terminates
+# TLS and sets this header on every request). Location headers and subscription callback URLs
+# are built from them, so they name the front door as the client reached it.
+ORIGINAL_HOST = "streamkeep-original-host"
+CLIENT_SCHEME = "streamkeep-client-scheme"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_SKEW_SECONDS = 60
 # Hop-by-hop headers and what the edges set themselves stay behind.
-_NOT_FORWARDED = HOP_BY_HOP | {"te", "host", "content-length"}
+_NOT_FORWARDED = HOP_BY_HOP | {"te", "host", "content-length", ORIGINAL_HOST}
 
 
 def signature(secret: str, member: str, stamp: int, method: str, target: str) -> str:
@@ -62,6 +68,18 @@ def forwarded_by(request: Request, secret: str, members: tuple[Member, ...], now
     ):
         raise ProtocolError(403, "bad_cluster_signature", "Streamkeep-Forwarded is for cluster members only")
     return parts[0]
+
+
+def as_the_client_sent(request: Request, by: str | None) -> None:
+    """Restores the client's scheme (from the front door) and, on a request a member forwarded,
+    its Host."""
+    scheme = request.headers.get(CLIENT_SCHEME)
+    if scheme == "https" or scheme == "http":
+        request.scheme = scheme
+    original = request.headers.get(ORIGINAL_HOST) if by is not None else None
+    if original:
+        kept = [(k, v) for k, v in request.headers.items() if k != "host" and k != ORIGINAL_HOST]
+        request.headers = Headers([*kept, ("host", original)])
 
 
 def unavailable(owner: Member) -> ProtocolError:
@@ -121,6 +139,7 @@ class Forwarder:
 
     async def forward(self, request: Request, owner: Member) -> Response:
         headers = [(name, value) for name, value in request.headers.items() if name not in _NOT_FORWARDED]
+        headers.append((ORIGINAL_HOST, request.headers.get("host") or ""))
         outgoing = self._client.build_request(
             request.method, f"http://{owner.address}{request.target}", headers=headers, content=request.body
         )

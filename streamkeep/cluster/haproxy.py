@@ -82,6 +82,8 @@ def config(
         # What the client spoke to the front door (members only see HTTP/1.1 from HAProxy): /stats
         # counts it per member, so an operator can see h2 clients are served as h2.
         "    http-request set-header Streamkeep-Client-Http-Version %[req.ver]",
+        # HAProxy terminates TLS: members build Location and callback URLs with the client's scheme.
+        "    http-request set-header Streamkeep-Client-Scheme %[ssl_fc,iif(https,http)]",
         f"    use_backend %[path,field({_SUBSCRIPTION_ID_FIELD},/),crc32,mod({SLOTS}),map_int({map_path})] "
         f"if {{ path_beg {SUBSCRIPTIONS_PREFIX} }}",
         f"    use_backend %[path,crc32,mod({SLOTS}),map_int({map_path})] if {{ path_beg {STREAM_PREFIX} }}",

@@ -32,7 +32,6 @@ import json
 import logging
 import random
 import time
-from dataclasses import replace
 from typing import Any
 from urllib.parse import unquote
 
@@ -51,7 +50,7 @@ from streamkeep.cluster.subscriptions_view import (
     subscription_owner,
 )
 from streamkeep.protocol.errors import ProtocolError
-from streamkeep.protocol.model import Headers, Request, Response
+from streamkeep.protocol.model import Request, Response
 from streamkeep.subscriptions.config import CONTROL_PREFIX, check_id
 from streamkeep.subscriptions.delivery import append_wake_event
 from streamkeep.subscriptions.manager import SubscriptionManager
@@ -63,7 +62,6 @@ BATCH = 512  # stream states per report
 ASK_TIMEOUT_S = 5.0  # a call a client's request waits for (creation, an ack past the known tail)
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
-ORIGINAL_HOST = "streamkeep-original-host"  # the client's Host, on a forwarded control request
 
 
 def retry_delay(attempt: int) -> float:
@@ -420,14 +418,7 @@ class SubscriptionPeers:
             return None if error.status == 400 else _error(error)  # a bad id: the API says so
         owner = subscription_owner(self.placement, sub_id)
         if owner.id == self.me:
-            original = request.headers.get(ORIGINAL_HOST)
-            if by is not None and original:
-                # Its links and callback URLs name the front door the client used, not a member.
-                kept = [(k, v) for k, v in request.headers.items() if k not in ("host", ORIGINAL_HOST)]
-                return await self.manager.api.handle(
-                    replace(request, headers=Headers([*kept, ("host", original)]))
-                )
-            return None
+            return None  # the service restored a forwarded request's Host (forward.as_the_client_sent)
         if by is not None or self.forwarder is None:
             return _error(
                 ProtocolError(
@@ -437,11 +428,9 @@ class SubscriptionPeers:
                     [("Retry-After", "1")],
                 )
             )
-        host = request.headers.get("host") or ""
-        headers = [(k, v) for k, v in request.headers.items() if k != ORIGINAL_HOST] + [(ORIGINAL_HOST, host)]
         self.forwarded += 1
         try:
-            return await self.forwarder.forward(replace(request, headers=Headers(headers)), owner)
+            return await self.forwarder.forward(request, owner)
         except ProtocolError as error:
             return _error(error)
 
