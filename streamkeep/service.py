@@ -391,9 +391,8 @@ class Service:
             if kind == routes.ADMIN_STREAM:
                 return admin.stream(self, name, request)
         if kind == routes.INTERNAL and self.placement is not None:
-            if self.not_ready is not None:
-                raise not_ready(self.not_ready)
-            return await self.peer_ops.answer(request, self.placement, self.cluster_secret)
+            refusal = None if self.not_ready is None else not_ready(self.not_ready)
+            return await self.peer_ops.answer(request, self.placement, self.cluster_secret, refusal)
         if kind == routes.PREFLIGHT:
             return responses.preflight()
         if kind == routes.HEALTH:

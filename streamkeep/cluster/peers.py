@@ -60,11 +60,16 @@ class PeerOps:
             raise ValueError(f"cluster operation {op!r} registered twice")
         self._handlers[op] = handler
 
-    async def answer(self, request: Request, placement: Placement, secret: str) -> Response:
+    async def answer(
+        self, request: Request, placement: Placement, secret: str, refusal: ProtocolError | None = None
+    ) -> Response:
+        """The answer to a member's call; `refusal` (a member still recovering) refuses any call."""
         caller = forwarded_by(request, secret, placement.members)
         if caller is None:
             raise ProtocolError(403, "members_only", f"{PREFIX} is for calls between cluster members")
         try:
+            if refusal is not None:
+                raise refusal
             epoch = request.headers.get("streamkeep-placement-epoch")
             if epoch != str(placement.epoch):  # members with different maps must not act for each other
                 raise ProtocolError(
