@@ -77,7 +77,8 @@ class Cluster:
         self.members[member] = start(
             "--config", str(self.toml), "--cluster-member", member, "--port", str(self.ports[member]),
             "--storage", "disk", "--data-dir", str(self.root / member), "--fsync", "always",
-            "--log-level", "warning", *(["--cluster-secret", self.secret] if self.secret else []),
+            "--log-level", "warning", "--allow-loopback-webhooks",  # the subscription tests' receivers
+            *(["--cluster-secret", self.secret] if self.secret else []),
         )  # fmt: skip
 
     def start_haproxy(self) -> None:

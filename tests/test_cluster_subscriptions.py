@@ -16,47 +16,19 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from urllib.parse import quote
 
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ops.serverproc import start
 from streamkeep.cluster.placement import Member, Placement, slot
 from streamkeep.cluster.subscriptions_view import Interest, Interests, RemoteStreams, subscription_owner
 from streamkeep.storage.memory import MemoryStorage
-from tests.test_cluster import HAPROXY, SECRET, Cluster, wait_for
+from tests.test_cluster import SECRET, Cluster, wait_for
 
 JSON = {"Content-Type": "application/json"}
 CONTROL = "/v1/stream/__ds/"
-
-
-class SubscriptionCluster(Cluster):
-    """The cluster of tests/test_cluster.py, whose members may call a webhook on loopback."""
-
-    def start_member(self, member: str) -> None:
-        self.members[member] = start(
-            "--config", str(self.toml), "--cluster-member", member, "--port", str(self.ports[member]),
-            "--storage", "disk", "--data-dir", str(self.root / member), "--fsync", "always",
-            "--log-level", "warning", "--allow-loopback-webhooks", "--cluster-secret", self.secret,
-        )  # fmt: skip
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[SubscriptionCluster]:
-    assert Path(HAPROXY).exists(), (
-        "haproxy is missing: make system-tools installs it (apt-get install haproxy)"
-    )
-    built = SubscriptionCluster(tmp_path, request.param)
-    try:
-        built.start_member("a")
-        built.start_member("b")
-        built.start_haproxy()
-        yield built
-    finally:
-        built.stop()
 
 
 SECRET_CLUSTER = pytest.mark.parametrize("cluster", [SECRET], ids=["secret"], indirect=True)
