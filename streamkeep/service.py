@@ -233,8 +233,8 @@ class Service:
         as_the_client_sent(request, by)
         if by is None:
             version = request.headers.get("streamkeep-client-http-version")
-            if version is not None:  # set by the front door (haproxy.py)
-                self.client_http_versions[version[:8]] += 1
+            if version is not None:  # set by the front door (haproxy.py); a few known values only
+                self.client_http_versions[version if version in ("1.0", "1.1", "2.0", "3.0") else "other"] += 1
         if route.name is None:
             return None
         epoch = request.headers.get("streamkeep-placement-epoch")

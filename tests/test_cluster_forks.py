@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -21,6 +22,7 @@ from streamkeep.cluster.peers import Peers
 from streamkeep.cluster.placement import Placement
 from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError
+from streamkeep.segments import layout
 from tests.test_cluster import SECRET, Cluster, wait_for
 
 pytestmark = pytest.mark.parametrize("cluster", [SECRET], ids=["secret"], indirect=True)
@@ -190,3 +192,47 @@ def test_cluster_calls_are_for_members_only(cluster: Cluster, client: httpx.Clie
             await stale.aclose()
 
     trio.run(odd_calls)
+
+
+def test_a_fork_recovery_could_not_load_keeps_its_pin(cluster: Cluster, client: httpx.Client) -> None:
+    """Found by review: a fork whose directory recovery skipped (damaged meta.cbor, left for
+    inspection) was reported absent, and its source's member freed the data it inherits."""
+    source, forked = named(cluster, "src", "b"), named(cluster, "fk", "a")
+    text = {"Content-Type": "text/plain"}
+    assert client.put(f"/v1/stream/{source}", headers=text, content=b"inherited;").status_code == 201
+    assert fork(client, forked, source).status_code == 201
+    assert client.delete(f"/v1/stream/{source}").status_code == 204  # soft: the fork reads it
+    cluster.members["a"].stop()
+    meta = cluster.root / "a" / layout.STREAMS / layout.stream_dirname(forked) / layout.META
+    saved = meta.read_bytes()
+    meta.write_bytes(b"\xff")
+    cluster.start_member("a")
+    cluster.members["b"].stop()
+    cluster.start_member("b")  # its reconcile runs at start and asks a about the fork
+    wait_for(lambda: fork_stats(cluster, "b")["reconciles"] >= 1)
+    assert fork_stats(cluster, "b")["pins"] == 1 and fork_stats(cluster, "b")["pins_dropped"] == 0
+    cluster.members["a"].stop()
+    meta.write_bytes(saved)  # the operator repairs it
+    cluster.start_member("a")
+    assert client.get(f"/v1/stream/{forked}?offset=-1").content == b"inherited;"
+
+
+def test_a_delete_does_not_wait_long_for_a_frozen_source_member(cluster: Cluster, client: httpx.Client) -> None:
+    """Found by review: the fork's delete told the source's member inside a shielded scope with
+    the calls' full timeout, so a frozen member held the DELETE (and a shutdown) for ~30 s."""
+    source, forked = named(cluster, "src", "b"), named(cluster, "fk", "a")
+    text = {"Content-Type": "text/plain"}
+    assert client.put(f"/v1/stream/{source}", headers=text, content=b"x").status_code == 201
+    assert fork(client, forked, source).status_code == 201
+    frozen = cluster.members["b"].process
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        deleted = httpx.delete(f"{cluster.direct('a')}/v1/stream/{forked}", timeout=20)
+        assert deleted.status_code == 204 and time.monotonic() - started < 8
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    # The detach arrives once b thaws (it was queued), or b's reconcile finds the fork gone.
+    cluster.members["b"].stop()
+    cluster.start_member("b")
+    wait_for(lambda: fork_stats(cluster, "b")["pins"] == 0)

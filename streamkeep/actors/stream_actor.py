@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import trio
@@ -484,23 +484,38 @@ class StreamActor:
         # The fork will read the source up to its fork point for as long as it lives: under a
         # relaxed fsync policy that point must be on disk first, or a power cut could take back
         # what the fork reads (and leave the fork pointing past its source's end).
-        await stream_log.make_durable()
+        if pin is None:
+            await stream_log.make_durable()
+            meta.fork_count += 1
+            return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base)
+        return await self._pin_fork(stream_log, pin, position, base)
+
+    async def _pin_fork(self, stream_log: StreamLog, pin: tuple[str, str], position: int, base: int) -> ForkSource:
+        """Saves the pin of a fork another member will own. Counted from the start, so no retention
+        pass drops what the pin is about to name while the fork point is made durable; the pin
+        names the floor as it is once that is done (retention may have raised it meanwhile)."""
+        meta = stream_log.meta
+        before = meta.remote_forks
+        again = any(p[0] == pin[0] for p in before)  # a retried attach: one pin, one count
+        if not again:
+            meta.fork_count += 1
+        pins = before
+        try:
+            await stream_log.make_durable()
+            low = min(forks.readable_from(self._storage, stream_log), base)
+            if position < low:
+                raise below_floor(low, meta.incarnation)
+            pins = (*(p for p in before if p[0] != pin[0]), (pin[0], pin[1], low))
+            await self._storage.save_meta(self.name, replace(meta, remote_forks=pins))
+        except BaseException as error:
+            if pins is not before and getattr(error, "happened", False):
+                meta.remote_forks = pins  # saved, if not durably: the fork may follow
+            elif not again:
+                meta.fork_count -= 1
+            raise
+        meta.remote_forks = pins
         incarnations = (meta.incarnation, *self._source_incarnations(stream_log))
-        if pin is not None:
-            pins = tuple(p for p in meta.remote_forks if p[0] != pin[0])
-            meta.remote_forks = (*pins, (pin[0], pin[1], min(floor, base)))
-            try:
-                await self._storage.save_meta(self.name, meta)
-            except BaseException as error:
-                if not getattr(error, "happened", False):
-                    meta.remote_forks = pins
-                    raise
-            if len(pins) < len(meta.remote_forks):
-                meta.fork_count += 1
-            return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base,
-                              min(floor, base), incarnations)  # fmt: skip
-        meta.fork_count += 1
-        return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base)
+        return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base, low, incarnations)
 
     def _source_incarnations(self, stream_log: StreamLog) -> tuple[int, ...]:
         """The incarnations of this stream's sources, nearest first."""
@@ -526,11 +541,27 @@ class StreamActor:
             kept = tuple(p for p in meta.remote_forks if p[0] != pin)
             if len(kept) == len(meta.remote_forks):
                 return
+            try:
+                await self._storage.save_meta(self.name, replace(meta, remote_forks=kept))
+            except BaseException as error:
+                if not getattr(error, "happened", False):
+                    raise  # the pin stays, in memory as on disk: a reconcile tries again
             meta.remote_forks = kept
-            await self._storage.save_meta(self.name, meta)
         stream_log.meta.fork_count = max(0, stream_log.meta.fork_count - 1)
         if stream_log.meta.soft_deleted and stream_log.meta.fork_count == 0:
             await self._hard_delete(stream_log)
+
+    async def raise_pin(self, pin: str, low: int) -> None:
+        """A fork on another member reads from `low` up now (its own retention moved on): its pin
+        here stops holding what lies below. Pins only ever rise."""
+        stream_log = self._storage.open(self.name)
+        if stream_log is None:
+            return
+        meta = stream_log.meta
+        raised = tuple((i, name, max(held, low)) if i == pin else (i, name, held) for i, name, held in meta.remote_forks)
+        if raised != meta.remote_forks:
+            await self._storage.save_meta(self.name, replace(meta, remote_forks=raised))
+            meta.remote_forks = raised
 
     async def append(self, spec: AppendSpec) -> PendingAppend:
         now = time.time()

@@ -33,7 +33,7 @@ from typing import Any
 import trio
 
 from streamkeep.actors.supervisor import Supervisor
-from streamkeep.cluster.peers import PeerOps, Peers
+from streamkeep.cluster.peers import PeerOps, Peers, PeerUnavailable
 from streamkeep.cluster.placement import Member
 from streamkeep.health import Health
 from streamkeep.protocol import offsets
@@ -45,7 +45,8 @@ from streamkeep.storage.errors import STORAGE_ERRORS, RetainedAway, as_protocol_
 
 log = logging.getLogger(__name__)
 
-PRESENT, ABSENT, PENDING = "present", "absent", "pending"
+PRESENT, ABSENT, PENDING, UNKNOWN = "present", "absent", "pending", "unknown"
+DETACH_SECONDS = 3.0
 RETRY_FIRST = 5.0  # seconds until a reconcile that missed a member tries again (then doubling)
 
 
@@ -113,7 +114,13 @@ class RemoteForks:
         )
 
     async def detach(self, source: str, pin: str) -> None:
-        await self.peers.call(self._owner(source), "fork.detach", {"source": source, "pin": pin})
+        """Bounded: callers shield it (a delete must finish), and a detach that does not arrive
+        is repaired by the source member's reconcile, so nobody waits on a hung member for long."""
+        owner = self._owner(source)
+        with trio.move_on_after(DETACH_SECONDS):
+            await self.peers.call(owner, "fork.detach", {"source": source, "pin": pin})
+            return
+        raise PeerUnavailable(owner, f"no answer within {DETACH_SECONDS:g} s")
 
     @contextmanager
     def attaching(self, pin: str) -> Iterator[None]:
@@ -132,10 +139,13 @@ class RemoteForks:
         ops.register("fork.detach", self._answer_detach)
         ops.register("fork.exists", self._answer_exists)
 
-    def _source_log(self, payload: dict[str, Any]) -> Any:
-        name = _text(payload, "source")
+    def _check_mine(self, name: str) -> None:
         if self.peers.elsewhere(name) is not None:
             raise ProtocolError(503, "stale_placement", f"{name!r} is not this member's stream", [("Retry-After", "1")])
+
+    def _source_log(self, payload: dict[str, Any]) -> Any:
+        name = _text(payload, "source")
+        self._check_mine(name)
         stream_log = self.storage.open(name)  # soft-deleted included: forks still read it
         if stream_log is None:
             raise ProtocolError(503, "fork_source_missing", f"the source {name!r} of a fork is missing; see the startup log")
@@ -173,8 +183,7 @@ class RemoteForks:
         )
         content_type = payload.get("content_type")
         pin = (_text(payload, "pin"), _text(payload, "fork"))
-        if self.peers.elsewhere(spec.source) is not None:
-            raise ProtocolError(503, "stale_placement", f"{spec.source!r} is not this member's stream", [("Retry-After", "1")])
+        self._check_mine(spec.source)
         source: ForkSource = await self.supervisor.call(spec.source, "attach_fork", spec, content_type, pin)
         self.attached += 1
         return {
@@ -197,13 +206,23 @@ class RemoteForks:
         asked = payload.get("forks")
         if not isinstance(asked, list):
             raise bad_request("bad_cluster_call", "forks must be a list of [name, stream id]")
-        return {"states": [self._state(str(name), str(pin)) for name, pin in asked]}
+        answers = [self._state(str(name), str(pin)) for name, pin in asked]
+        return {"states": [state for state, _ in answers], "lows": [low for _, low in answers]}
 
-    def _state(self, name: str, pin: str) -> str:
+    def _state(self, name: str, pin: str) -> tuple[str, int]:
+        """What this member knows of fork `name` with stream id `pin`, and the lowest position it
+        reads (its pin on the source may rise to it)."""
         if pin in self._attaching:
-            return PENDING
+            return PENDING, 0
         stream_log = self.storage.open(name)
-        return PRESENT if stream_log is not None and stream_log.meta.stream_id == pin else ABSENT
+        if stream_log is not None:
+            if stream_log.meta.stream_id != pin:
+                return ABSENT, 0  # deleted, and the name made again: another stream
+            return PRESENT, forks.readable_from(self.storage, stream_log)
+        directory = getattr(self.storage, "directory", None)
+        if directory is not None and directory.fs.exists(directory.stream_dir(name)):
+            return UNKNOWN, 0  # on disk but not loaded (recovery skipped it): it may come back
+        return ABSENT, 0
 
     # ---- reconcile: pins whose fork is gone ------------------------------------------------------
 
@@ -227,25 +246,33 @@ class RemoteForks:
             stream_log = self.storage.open(name)
             if stream_log is None:
                 continue
-            for pin, fork_name, _ in stream_log.meta.remote_forks:
+            for pin, fork_name, _low in stream_log.meta.remote_forks:
                 by_member.setdefault(self._owner(fork_name).id, []).append((name, fork_name, pin))
         dropped = 0
         self._missed = False
         for member_id, pins in by_member.items():
             if member_id == self.peers.member:
-                states = [self._state(fork_name, pin) for _, fork_name, pin in pins]
+                answers = [self._state(fork_name, pin) for _, fork_name, pin in pins]
             else:
                 try:
                     answer = await self.peers.call(
                         self.peers.member_of(member_id), "fork.exists", {"forks": [[f, p] for _, f, p in pins]}
                     )
-                    states = [str(state) for state in answer["states"]]
+                    answers = list(zip((str(s) for s in answer["states"]), (int(n) for n in answer["lows"]), strict=True))
                 except ProtocolError as error:
                     self.health.failed(f"fork pin reconcile with {member_id}", error.message)
                     self._missed = True
                     continue
                 self.health.ok(f"fork pin reconcile with {member_id}")
-            for (source, fork_name, pin), state in zip(pins, states, strict=True):
+            for (source, fork_name, pin), (state, low) in zip(pins, answers, strict=True):
+                if state == PRESENT:
+                    try:  # its own retention may have moved on: hold no more than it reads
+                        await self.supervisor.call(source, "raise_pin", pin, low)
+                    except ProtocolError as error:
+                        self.health.failed("fork pin reconcile", f"{source}: {error.message}")
+                    continue
+                if state == UNKNOWN:
+                    self._missed = True
                 if state != ABSENT:
                     continue
                 try:

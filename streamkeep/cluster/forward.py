@@ -35,6 +35,7 @@ ORIGINAL_HOST = "streamkeep-original-host"
 CLIENT_SCHEME = "streamkeep-client-scheme"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_SKEW_SECONDS = 60
+GATHER_SECONDS = 5.0  # a member's part of a cluster-wide answer (the stream browser's list)
 # Hop-by-hop headers and what the edges set themselves stay behind.
 _NOT_FORWARDED = HOP_BY_HOP | {"te", "host", "content-length", ORIGINAL_HOST}
 
@@ -127,10 +128,12 @@ class Forwarder:
         answers: dict[str, Response | None] = {}
 
         async def ask(member: Member) -> None:
-            try:
-                answers[member.id] = await self.forward(request, member)
-            except ProtocolError:
-                answers[member.id] = None
+            answers[member.id] = None  # unless it answers in time: a hung member is named, not waited for
+            with trio.move_on_after(GATHER_SECONDS):
+                try:
+                    answers[member.id] = await self.forward(request, member)
+                except ProtocolError:
+                    pass
 
         async with trio.open_nursery() as nursery:
             for member in members:

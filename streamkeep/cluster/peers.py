@@ -105,7 +105,8 @@ class PeerOps:
 class Peers:
     """This member's calls to the others (one connection pool)."""
 
-    def __init__(self, placement: Placement, member: str, secret: str, timeout: float = 30.0) -> None:
+    # A client's fork create or inherited read waits on a call: a hung member costs it 10 s, not more.
+    def __init__(self, placement: Placement, member: str, secret: str, timeout: float = 10.0) -> None:
         self.placement = placement
         self.member = member
         self.secret = secret

@@ -176,33 +176,32 @@ def _incarnations(streams: dict[str, Stream], meta: StreamMeta) -> tuple[int, ..
 
 
 def _fix_pins(streams: dict[str, Stream], target: Placement, report: Report) -> None:
-    changed: dict[str, StreamMeta] = {}
-
-    def meta_of(name: str) -> StreamMeta:
-        return changed.get(name) or streams[name].meta
-
+    """Pins for fork pairs that end up apart, none for pairs that end up together. The fork's
+    meta is written before its source's pin: a rerun after a crash between the two sees no pin
+    and writes both again, where the other order would leave the fork without what it needs."""
     for fork in streams.values():
         source = streams.get(fork.meta.forked_from or "")
         if source is None:
             continue  # its source is gone: nothing to hold for it
         apart = target.owner(fork.meta.name).id != target.owner(source.meta.name).id
-        pins = meta_of(source.meta.name).remote_forks
-        pinned = any(pin[0] == fork.meta.stream_id for pin in pins)
-        if apart and not pinned:
+        pins = source.meta.remote_forks
+        pin = next((p for p in pins if p[0] == fork.meta.stream_id), None)
+        if apart and pin is None:
             low = min(_held_low(streams, source), fork.meta.fork_base)
-            changed[source.meta.name] = replace(
-                meta_of(source.meta.name), remote_forks=(*pins, (fork.meta.stream_id, fork.meta.name, low))
-            )
-            changed[fork.meta.name] = replace(
-                meta_of(fork.meta.name), fork_low=low, source_incarnations=_incarnations(streams, fork.meta)
-            )
+            incarnations = _incarnations(streams, fork.meta)
+            _write(streams, fork.meta.name, replace(fork.meta, fork_low=low, source_incarnations=incarnations))
+            pinned = (*pins, (fork.meta.stream_id, fork.meta.name, low))
+            _write(streams, source.meta.name, replace(source.meta, remote_forks=pinned))
             report.pins_added += 1
-        elif not apart and pinned:
-            kept = tuple(pin for pin in pins if pin[0] != fork.meta.stream_id)
-            changed[source.meta.name] = replace(meta_of(source.meta.name), remote_forks=kept)
+        elif not apart and pin is not None:
+            kept = tuple(p for p in pins if p[0] != fork.meta.stream_id)
+            _write(streams, source.meta.name, replace(source.meta, remote_forks=kept))
             report.pins_dropped += 1
-    for name, meta in changed.items():
-        files.replace(files.OS, streams[name].directory, layout.META, encode_meta(meta))
+
+
+def _write(streams: dict[str, Stream], name: str, meta: StreamMeta) -> None:
+    files.replace(files.OS, streams[name].directory, layout.META, encode_meta(meta))
+    streams[name].meta = meta
 
 
 def _move_subscriptions(data_dir: Path, old: list[str], new: list[str], target: Placement) -> int:
