@@ -85,6 +85,9 @@ def test_a_chain_of_forks_across_members_reads_soft_deletes_and_cascades(cluster
     assert live.status_code == 200 and json.loads(live.content) == [{"n": 1}, {"n": 2}, {"n": "m"}]
     assert fork_stats(cluster, "a")["attached"] == 1 and fork_stats(cluster, "b")["attached"] == 1
     assert fork_stats(cluster, "a")["pins"] == 1 and fork_stats(cluster, "b")["pins"] == 1
+    metrics = httpx.get(f"{cluster.direct('a')}/metrics", timeout=5).text
+    assert "streamkeep_cluster_fork_pins 1.0" in metrics and "streamkeep_cluster_inherited_reads_total" in metrics
+    assert 'streamkeep_cluster_calls_total{direction="in",outcome="answered"}' in metrics
     # The stream browser's list through the front door holds every member's streams.
     listed = client.get("/v1/admin/streams").json()
     assert {source, middle, last} <= {row["name"] for row in listed["streams"]}

@@ -105,6 +105,38 @@ class StreamkeepCollector:
                 "Requests handed to the cluster member that owns their stream",
                 value=service.forwarder.forwarded,
             )
+        yield from self._cluster()
+
+    def _cluster(self) -> Iterator[Metric]:
+        """Calls between cluster members and the pins of forks across them (none when alone)."""
+        service = self.sources.service
+        if service.peers is None:
+            return
+        calls = CounterMetricFamily(
+            PREFIX + "cluster_calls", "Calls between cluster members, by direction and outcome", labels=["direction", "outcome"]
+        )
+        calls.add_metric(["out", "answered"], service.peers.calls - service.peers.failures)
+        calls.add_metric(["out", "failed"], service.peers.failures)
+        calls.add_metric(["in", "answered"], service.peer_ops.calls)
+        calls.add_metric(["in", "refused"], service.peer_ops.refused)
+        yield calls
+        remote = getattr(self.sources.storage, "remote", None)
+        if remote is None:
+            return
+        stats = remote.stats()
+        yield GaugeMetricFamily(
+            PREFIX + "cluster_fork_pins", "Pins this member's streams hold for forks other members own", value=stats["pins"]
+        )
+        yield CounterMetricFamily(
+            PREFIX + "cluster_fork_pins_dropped",
+            "Pins dropped by the reconcile because their fork was gone",
+            value=stats["pins_dropped"],
+        )
+        yield CounterMetricFamily(
+            PREFIX + "cluster_inherited_reads",
+            "Reads of a fork's inherited range from the member owning its source",
+            value=stats["remote_reads"],
+        )
 
     # ---- streams and live readers ----------------------------------------------------------
 
@@ -268,7 +300,8 @@ class StreamkeepCollector:
         )
         failing = GaugeMetricFamily(PREFIX + "background_failing", "1 while a kind of work is failing", labels=["kind"])
         healths = [service.health]
-        for part in (self.sources.storage, self.sources.archiver, self.sources.retention):
+        remote = getattr(self.sources.storage, "remote", None)  # the cluster's fork pin reconcile
+        for part in (self.sources.storage, self.sources.archiver, self.sources.retention, remote):
             health = getattr(part, "health", None)
             if health is not None and health not in healths:
                 healths.append(health)
