@@ -40,13 +40,13 @@ def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
-def server_stats(url: str, ca: Path | None, token: str | None) -> dict:
+def server_stats(url: str, ca: Path | None, token: str | None, query: str = "") -> dict:
     import json
     import ssl
     import urllib.request
 
     context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
-    request = urllib.request.Request(f"{url}/stats")
+    request = urllib.request.Request(f"{url}/stats{query}")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(request, context=context) as response:
@@ -57,16 +57,7 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
     """Through a cluster's front door: forks must have crossed members both ways and some
     subscription must have followed a stream on another member (the suite's names hash to both),
     or the run proved nothing about them; over TLS, clients must have spoken h2 to HAProxy."""
-    import json
-    import ssl
-    import urllib.request
-
-    context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
-    request = urllib.request.Request(f"{url}/stats?cluster=1")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, context=context) as response:
-        members = json.load(response)["members"]
+    members = server_stats(url, ca, token, "?cluster=1")["members"]
     crossed = {
         member: {
             "forks_of_its_streams_elsewhere": view.get("cluster_forks", {}).get("attached", 0),
