@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -305,6 +306,36 @@ def test_control_requests_reach_the_member_that_keeps_the_subscription(cluster: 
         # Quoted ids keep working for every call, from either member directly too.
         for base in (cluster.direct(other), cluster.direct(keeper)):
             assert httpx.get(f"{base}{CONTROL}subscriptions/{quote(sub_id)}", timeout=5).status_code == 200
+
+
+@SECRET_CLUSTER
+def test_a_hung_member_costs_one_creation_5_s_then_creations_are_refused_at_once(cluster: Cluster) -> None:
+    # SIGSTOP: b accepts connections and never answers. The creation that finds it out waits 5 s;
+    # the next ones are refused at once (503, Retry-After) until b answers a probe again.
+    hook = {"type": "webhook", "pattern": "jobs/*", "webhook": {"url": "http://127.0.0.1:9/hook"}}
+    ids = iter(i for i in (f"hung-{n}" for n in range(500)) if subscription_owner(cluster.placement, i).id == "a")
+    b = cluster.members["b"].process
+    with httpx.Client(base_url=cluster.direct("a"), timeout=20) as client:
+        b.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            first = client.put(f"{CONTROL}subscriptions/{next(ids)}", headers=JSON, json=hook)
+            assert first.status_code == 503 and first.headers["retry-after"] == "1"
+            assert 4.5 < time.monotonic() - started < 8
+            started = time.monotonic()
+            again = client.put(f"{CONTROL}subscriptions/{next(ids)}", headers=JSON, json=hook)
+            assert again.status_code == 503 and again.headers["retry-after"] == "1"
+            assert again.json()["error"]["code"] == "member_unavailable"
+            assert time.monotonic() - started < 1
+            assert subscription_stats(cluster, "a")["cluster"]["members"]["b"]["down"] is not None
+        finally:
+            b.send_signal(signal.SIGCONT)
+        wait_for(
+            lambda: client.put(f"{CONTROL}subscriptions/{next(ids)}", headers=JSON, json=hook).status_code == 201,
+            seconds=30,
+        )
+        assert subscription_stats(cluster, "a")["cluster"]["members"]["b"]["down"] is None
+        assert subscription_stats(cluster, "a")["subscriptions"] == 1
 
 
 def test_reports_and_subscriptions_overtaken_by_newer_words_are_dropped() -> None:

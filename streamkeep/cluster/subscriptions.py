@@ -24,11 +24,15 @@ forwarded to it. The keeper follows streams on every member:
 
 A member that cannot be reached costs retries with backoff (up to 10 s, and at once when it says
 hello again), one log line per cause and counters in the subscriptions' `/stats`; never a crash.
+A member whose last call failed unavailable (503: unreachable, no answer within 5 s) is taken for
+down: calls a client waits for (creations, added streams, acks past the known tail, wake events,
+a claim's catch-up) fail at once for it (503, Retry-After) instead of waiting 5 s again each time,
+as the registry relay skips a keeper that failed it, until a probe (`sub.states` of no path, with
+the same backoff), a report or its hello shows it answers again.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -51,6 +55,7 @@ from streamkeep.cluster.subscriptions_view import (
 )
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
+from streamkeep.protocol.responses import error as error_response
 from streamkeep.subscriptions.config import CONTROL_PREFIX, check_id
 from streamkeep.subscriptions.delivery import append_wake_event
 from streamkeep.subscriptions.manager import SubscriptionManager
@@ -62,6 +67,7 @@ BATCH = 512  # stream states per report
 ASK_TIMEOUT_S = 5.0  # a call a client's request waits for (creation, an ack past the known tail)
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 10.0
+KNOWN_DOWN = "it failed a call just before; it is asked again once it answers"
 
 
 def retry_delay(attempt: int) -> float:
@@ -81,6 +87,10 @@ class _Member:
         self.failing: str | None = None  # the cause now, logged once
         self.reports = 0  # states reported
         self.attempt = 0  # failures in a row
+        # Why it is taken for down (its last call failed unavailable): calls clients wait for fail
+        # at once until it answers again. None while it answers.
+        self.down: str | None = None
+        self.trouble = trio.Event()  # taken for down: the watcher probes it
 
     def poke(self) -> None:
         self.wake.set()
@@ -136,7 +146,7 @@ class SubscriptionPeers:
                 self._nursery = nursery
                 task_status.started()
                 for state in self._members.values():
-                    nursery.start_soon(self._greet, state, name=f"subscriptions-hello:{state.member.id}")
+                    nursery.start_soon(self._watch, state, name=f"subscriptions-hello:{state.member.id}")
                     nursery.start_soon(self._report, state, name=f"subscriptions-report:{state.member.id}")
         finally:
             self.supervisor.listeners.remove(self.stream_changed)
@@ -150,14 +160,23 @@ class SubscriptionPeers:
                 state.dirty.add(path)
                 state.poke()
 
-    async def _greet(self, state: _Member) -> None:
-        """Exchanges subscriptions with `state.member` once (it greets us itself when it restarts)."""
-        while not state.greeted:
+    async def _watch(self, state: _Member) -> None:
+        """Exchanges subscriptions with `state.member` once (it greets us itself when it restarts),
+        then, whenever it is taken for down, probes it with backoff until it answers again."""
+        while True:
+            if state.greeted and state.down is None:
+                await state.trouble.wait()
+                state.trouble = trio.Event()
+                continue
+            what = "hello" if not state.greeted else "probe"
             try:
-                answer = await self.peers.call(state.member, "sub.hello", self._hello(state.member.id))
-                self._take_hello(state, answer)
+                if not state.greeted:
+                    answer = await self.peers.call(state.member, "sub.hello", self._hello(state.member.id))
+                    self._take_hello(state, answer)
+                else:
+                    await self._ask(state.member, "sub.states", {"paths": []}, fail_fast=False)
             except Exception as error:
-                self._failed(state, "hello", error)
+                self._failed(state, what, error)
                 await self._pause(state)
                 continue
             self._recovered(state)
@@ -187,11 +206,14 @@ class SubscriptionPeers:
     async def _pause(self, state: _Member) -> None:
         with trio.move_on_after(retry_delay(state.attempt)):
             await state.retry_now.wait()
-        state.retry_now = trio.Event()
+        if state.retry_now.is_set():  # two tasks may wait on it (reports and the watcher)
+            state.retry_now = trio.Event()
 
     def _failed(self, state: _Member, what: str, error: Exception) -> None:
         state.failures += 1
         state.attempt += 1
+        if isinstance(error, ProtocolError) and error.status == 503:
+            self._mark_down(state, error)
         if isinstance(error, ProtocolError):
             cause = f"{what}: {error.status} {error.code}"
         else:
@@ -215,8 +237,15 @@ class SubscriptionPeers:
                 )
             state.failing = cause
 
+    def _mark_down(self, state: _Member, error: ProtocolError) -> None:
+        """`state.member` failed unavailable: calls clients wait for fail at once until it answers."""
+        if state.down is None:
+            state.down = error.message
+            state.trouble.set()
+
     def _recovered(self, state: _Member) -> None:
         state.attempt = 0
+        state.down = None
         if state.failing is not None:
             log.info(
                 "subscriptions: member %r answers again (it failed with %s)", state.member.id, state.failing
@@ -259,34 +288,42 @@ class SubscriptionPeers:
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ProtocolError(400, "bad_cluster_call", f"a bad hello: {error}") from None
         state.attempt = 0
+        state.down = None
         state.retry_now.set()  # it is back: what failed to reach it goes now
         return answer
 
     # ---- this member's subscriptions ---------------------------------------------------------
 
     async def announce(self, sub: Subscription, extra: tuple[str, ...] = ()) -> None:
+        down = next((state for state in self._members.values() if state.down is not None), None)
+        if down is not None:
+            # Known to be failing: refused at once, nobody told (a hung member must not cost every
+            # creation 5 s); a probe finds out when it answers again.
+            raise _unavailable(PeerUnavailable(down.member, KNOWN_DOWN))
         failed = await self._tell_all(sub, extra)
         if failed:
-            if self.manager.subs.get(sub.id) is not sub:
+            if not sub.deleted and self.manager.subs.get(sub.id) is not sub:
                 self.forget(sub)  # a creation that fails: the members that heard of it forget it
-            error = failed[0]
-            raise ProtocolError(
-                503,
-                "member_unavailable",
-                f"a subscription follows streams on every cluster member, and one did not answer "
-                f"({error.message}); retry shortly",
-                [("Retry-After", "1")],
-            )
+            raise _unavailable(failed[0])
 
     async def catch_up(self, sub: Subscription) -> None:
         # The same question as at creation (its answer: every matching stream's state now); a
-        # member that does not answer is left as it was last heard of.
+        # member that does not answer, or is known to be failing, is left as it was last heard of.
         await self._tell_all(sub)
 
     async def _tell_all(self, sub: Subscription, extra: tuple[str, ...] = ()) -> list[ProtocolError]:
         """Tells every member what `sub` follows and takes their matching streams' states; the
         refusals of those that did not answer."""
+        if sub.deleted:
+            # Deleted before we got here (its `forget` is done): telling now would put it back in
+            # `_mine` and on the other members with a stamp newer than its tombstone.
+            return []
         interest = interest_of(sub, extra)
+        told = self._mine.get(sub.id)
+        if told is not None and not told.streams <= interest.streams:
+            # Never fewer paths than told before: a catch-up or an announcement overtaking
+            # another one in flight (with other added streams) must not drop those.
+            interest = Interest(interest.pattern, interest.wake_stream, interest.streams | told.streams)
         self._mine[sub.id] = interest
         stamp = list(self._stamp())
         failed: list[ProtocolError] = []
@@ -302,6 +339,8 @@ class SubscriptionPeers:
         async with trio.open_nursery() as nursery:
             for state in self._members.values():
                 nursery.start_soon(tell, state)
+        if sub.deleted and self._mine.get(sub.id) is interest:
+            self.forget(sub)  # deleted without its forget undoing what this call wrote
         return failed
 
     def forget(self, sub: Subscription) -> None:
@@ -316,7 +355,7 @@ class SubscriptionPeers:
 
     async def _tell_quietly(self, state: _Member, op: str, payload: dict[str, Any]) -> None:
         try:
-            await self._ask(state.member, op, payload)
+            await self._ask(state.member, op, payload, fail_fast=False)  # nobody waits for it
         except ProtocolError:
             state.failures += 1
 
@@ -334,6 +373,9 @@ class SubscriptionPeers:
             member = self.placement.member(member_id)
             self._apply(member_id, await self._ask(member, "sub.states", {"paths": paths}))
 
+    def elsewhere(self, path: str) -> bool:
+        return self.placement.owner(path).id != self.me
+
     async def append_wake(self, path: str, body: bytes) -> bool:
         owner = self.placement.owner(path)
         if owner.id == self.me:
@@ -341,11 +383,25 @@ class SubscriptionPeers:
         await self._ask(owner, "sub.wake", {"path": path, "body": body})
         return True
 
-    async def _ask(self, member: Member, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """A call a client's request waits for: a member that does not answer soon is unavailable."""
-        with trio.move_on_after(ASK_TIMEOUT_S):
-            return await self.peers.call(member, op, payload)
-        raise PeerUnavailable(member, f"no answer within {ASK_TIMEOUT_S:g} s")
+    async def _ask(
+        self, member: Member, op: str, payload: dict[str, Any], *, fail_fast: bool = True
+    ) -> dict[str, Any]:
+        """A call a client's request waits for: a member that does not answer soon is unavailable,
+        and one known to be failing is not asked at all (`fail_fast`)."""
+        state = self._members.get(member.id)
+        if fail_fast and state is not None and state.down is not None:
+            raise PeerUnavailable(member, KNOWN_DOWN)
+        try:
+            with trio.move_on_after(ASK_TIMEOUT_S):
+                answer = await self.peers.call(member, op, payload)
+                if state is not None:
+                    state.down = None
+                return answer
+            raise PeerUnavailable(member, f"no answer within {ASK_TIMEOUT_S:g} s")
+        except ProtocolError as error:
+            if state is not None and error.status == 503:
+                self._mark_down(state, error)
+            raise
 
     def _apply(self, member_id: str, said: dict[str, Any]) -> None:
         """A member's report on its streams: what changed is noticed by the subscriptions."""
@@ -415,12 +471,12 @@ class SubscriptionPeers:
             check_id(sub_id)
             by = forwarded_by(request, self.secret, self.placement.members)
         except ProtocolError as error:
-            return None if error.status == 400 else _error(error)  # a bad id: the API says so
+            return None if error.status == 400 else error_response(error)  # a bad id: the API says so
         owner = subscription_owner(self.placement, sub_id)
         if owner.id == self.me:
             return None  # the service restored a forwarded request's Host (forward.as_the_client_sent)
         if by is not None or self.forwarder is None:
-            return _error(
+            return error_response(
                 ProtocolError(
                     503,
                     "stale_placement",
@@ -432,7 +488,7 @@ class SubscriptionPeers:
         try:
             return await self.forwarder.forward(request, owner)
         except ProtocolError as error:
-            return _error(error)
+            return error_response(error)
 
     # ---- /stats ------------------------------------------------------------------------------
 
@@ -448,6 +504,7 @@ class SubscriptionPeers:
                     "reported": state.reports,
                     "failures": state.failures,
                     "failing": state.failing,
+                    "down": state.down,  # why calls clients wait for are refused at once, while they are
                 }
                 for member_id, state in self._members.items()
             },
@@ -459,8 +516,11 @@ def interest_of(sub: Subscription, extra: tuple[str, ...] = ()) -> Interest:
     return Interest(sub.config.pattern, sub.config.wake_stream, {*sub.config.streams, *explicit, *extra})
 
 
-def _error(error: ProtocolError) -> Response:
-    body = {"error": {"code": error.code, "message": error.message}}
-    return Response(
-        error.status, [("Content-Type", "application/json"), *error.headers], json.dumps(body).encode()
+def _unavailable(error: ProtocolError) -> ProtocolError:
+    return ProtocolError(
+        503,
+        "member_unavailable",
+        f"a subscription follows streams on every cluster member, and one did not answer "
+        f"({error.message}); retry shortly",
+        [("Retry-After", "1")],
     )

@@ -9,7 +9,8 @@ answer, and a change that cannot be saved is undone and answered like any storag
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from urllib.parse import unquote
 
@@ -68,6 +69,27 @@ def _not_found(sub_id: str) -> ProtocolError:
 MAX_SUBSCRIPTIONS_PER_OWNER = 100
 
 
+class _Creating:
+    """One creation of an id at a time (two PUTs of one id cannot both win), and any number of
+    different ids at once: in a cluster a creation waits for the other members (up to 5 s), and
+    a hung member must not queue every other creation behind it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[trio.Lock, list[int]]] = {}  # id -> (lock, [users])
+
+    @asynccontextmanager
+    async def of(self, sub_id: str) -> AsyncIterator[None]:
+        lock, users = self._locks.setdefault(sub_id, (trio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[sub_id]
+
+
 class ControlApi:
     def __init__(
         self,
@@ -89,7 +111,7 @@ class ControlApi:
         self.faults = faults
         self.allow_loopback = allow_loopback
         self.now = now
-        self._creating = trio.Lock()  # one creation at a time: two PUTs of one id cannot both win
+        self._creating = _Creating()  # one creation of an id at a time
         self.remote: Remote | None = None  # in a cluster: the other members' streams
 
     async def handle(self, request: Request) -> Response:
@@ -217,7 +239,7 @@ class ControlApi:
         if config.webhook_url is not None:
             check_webhook_url(config.webhook_url, allow_loopback=self.allow_loopback)
         owner = self._owner(request.principal, config)
-        async with self._creating:
+        async with self._creating.of(sub_id):
             existing = self.subs.get(sub_id)
             if existing is not None and not existing.deleted:
                 try:
@@ -362,15 +384,15 @@ class ControlApi:
         """Callback (webhook) and ack (pull-wake): apply acks; `done` ends the wake, else the
         call is a heartbeat that extends the lease."""
         body = self._wake_body(request)
-        async with sub.lock:
-            if sub.deleted:
-                raise _fenced()
-            claims = self._authorized(request, sub, kind)
-            wake = self._check_current(sub, claims, body)
-            acks = self._parse_acks(body)
-            if self.remote is not None and acks:
-                # An ack may be past the tail its member last told us of: ask before judging it.
+        if self.remote is not None:
+            # An ack may be past the tail its member last told us of: ask before judging it, and
+            # before taking the lock (a member that does not answer stalls this call, not the
+            # subscription). The checks come first, so a fenced call is answered 409 as ever.
+            _, acks = self._judge(request, sub, kind, body)
+            if acks:
                 await self.remote.refresh(sub, [(path, offset.position) for path, offset in acks])
+        async with sub.lock:
+            wake, acks = self._judge(request, sub, kind, body)
             self.links.absorb(sub)
             next_wake = False
             async with self.store.change(sub):
@@ -382,6 +404,16 @@ class ControlApi:
                     wake.lease_until = self.now() + sub.config.lease_ttl_ms / 1000
         sub.poke()
         return _json(200, {"ok": True, "next_wake": next_wake})
+
+    def _judge(
+        self, request: Request, sub: Subscription, kind: str, body: dict
+    ) -> tuple[Wake, list[tuple[str, offsets.Offset]]]:
+        """The current wake a callback or ack names, and its acks; raises if it is fenced."""
+        if sub.deleted:
+            raise _fenced()
+        claims = self._authorized(request, sub, kind)
+        wake = self._check_current(sub, claims, body)
+        return wake, self._parse_acks(body)
 
     async def _callback(self, request: Request, sub: Subscription) -> Response:
         return await self._finish(request, sub, "callback")
@@ -412,43 +444,64 @@ class ControlApi:
             if sub.deleted:
                 raise _not_found(sub.id)
             self.links.absorb(sub)
-            now = self.now()
-            wake = sub.wake
-            if (
-                wake is not None
-                and wake.holder is not None
-                and wake.lease_until is not None
-                and now < wake.lease_until
-            ):
-                return _error(
-                    ProtocolError(409, "ALREADY_CLAIMED", "another worker holds the lease"),
-                    current_holder=wake.holder,
-                    generation=wake.generation,
-                )
-            issuing = wake is None or wake.holder is not None
-            if self.remote is not None and issuing and not self.links.pending(sub):
-                # Another member's stream may have taken an append it has not reported yet: a
-                # client that appended and then claims must find that work (read your writes).
-                await self.remote.catch_up(sub)
-                self.links.absorb(sub)
-                now = self.now()
-            async with self.store.change(sub, links=False):
-                if wake is None or wake.holder is not None:  # none issued yet, or an expired claim
-                    if not self.links.pending(sub):
-                        raise ProtocolError(
-                            409, "NO_PENDING_WORK", "nothing to claim: every linked stream is acked"
-                        )
-                    wake = sub.issue(self.links.snapshot(sub), now)
-                wake.holder = worker
-                wake.lease_until = now + sub.config.lease_ttl_ms / 1000
-            token = self.keys.token(sub.id, wake.generation, wake.wake_id, "claim", token_ttl(sub))
-            return _json(
-                200,
-                {
-                    "wake_id": wake.wake_id,
-                    "generation": wake.generation,
-                    "token": token,
-                    "streams": self.links.view(sub, wake),
-                    "lease_ttl_ms": sub.config.lease_ttl_ms,
-                },
+            if self.remote is None or not self._idle(sub):
+                return await self._grant(sub, worker)
+        # Another member's stream may have taken an append it has not reported yet: a client that
+        # appended and then claims must find that work (read your writes). Asked without the lock:
+        # a member that does not answer (5 s at most, at once refused when known to be failing)
+        # stalls this claim only, not the subscription's acks, callbacks or driver. What changed
+        # meanwhile is judged afresh below, as for a claim that came now.
+        await self.remote.catch_up(sub)
+        async with sub.lock:
+            if sub.deleted:
+                raise _not_found(sub.id)
+            self.links.absorb(sub)
+            return await self._grant(sub, worker)
+
+    def _leased(self, wake: Wake | None, now: float) -> bool:
+        return (
+            wake is not None
+            and wake.holder is not None
+            and wake.lease_until is not None
+            and now < wake.lease_until
+        )
+
+    def _idle(self, sub: Subscription) -> bool:
+        """Whether a claim now would issue a new wake and find no work (holding `sub.lock`)."""
+        wake = sub.wake
+        if self._leased(wake, self.now()):
+            return False
+        issuing = wake is None or wake.holder is not None
+        return issuing and not self.links.pending(sub)
+
+    async def _grant(self, sub: Subscription, worker: str) -> Response:
+        """A claim's answer (holding `sub.lock`, its links absorbed)."""
+        now = self.now()
+        wake = sub.wake
+        if self._leased(wake, now):
+            assert wake is not None
+            return _error(
+                ProtocolError(409, "ALREADY_CLAIMED", "another worker holds the lease"),
+                current_holder=wake.holder,
+                generation=wake.generation,
             )
+        async with self.store.change(sub, links=False):
+            if wake is None or wake.holder is not None:  # none issued yet, or an expired claim
+                if not self.links.pending(sub):
+                    raise ProtocolError(
+                        409, "NO_PENDING_WORK", "nothing to claim: every linked stream is acked"
+                    )
+                wake = sub.issue(self.links.snapshot(sub), now)
+            wake.holder = worker
+            wake.lease_until = now + sub.config.lease_ttl_ms / 1000
+        token = self.keys.token(sub.id, wake.generation, wake.wake_id, "claim", token_ttl(sub))
+        return _json(
+            200,
+            {
+                "wake_id": wake.wake_id,
+                "generation": wake.generation,
+                "token": token,
+                "streams": self.links.view(sub, wake),
+                "lease_ttl_ms": sub.config.lease_ttl_ms,
+            },
+        )

@@ -113,6 +113,7 @@ class Delivery:
     async def _step(self, sub: Subscription) -> float:
         """One look at a subscription; returns when (wall clock) to look again at the latest."""
         issued = None
+        announce_after: Wake | None = None  # a wake event for another member's wake stream
         async with sub.lock:
             if sub.deleted:
                 return self.now()
@@ -127,7 +128,15 @@ class Delivery:
                 if wake is None and retry_due and self.links.pending(sub):
                     issued = sub.issue(self.links.snapshot(sub), now)
             if issued is not None and sub.config.type == "pull-wake":
-                await self._announce(sub, issued)
+                if self.remote is not None and self.remote.elsewhere(sub.config.wake_stream or ""):
+                    announce_after = issued
+                else:
+                    await self._announce(sub, issued)
+        if announce_after is not None:
+            # Another member's wake stream: appended without the lock, so a member that does not
+            # answer (up to 5 s) stalls no claim, ack or callback of this subscription meanwhile.
+            # The wake is saved and only this driver appends events, so they stay in order.
+            await self._announce(sub, announce_after, held=False)
         if issued is not None and sub.config.type == "webhook":
             assert self._nursery is not None
             self._nursery.start_soon(self._deliver, sub, issued)
@@ -140,9 +149,10 @@ class Delivery:
 
     # ---- pull-wake -------------------------------------------------------------------------
 
-    async def _announce(self, sub: Subscription, wake: Wake) -> None:
-        """Appends a wake event to the wake stream (holding `sub.lock`, the wake saved). If that
-        fails, the wake is withdrawn and the error raised: the driver retries with backoff."""
+    async def _announce(self, sub: Subscription, wake: Wake, *, held: bool = True) -> None:
+        """Appends a wake event to the wake stream (the wake saved; holding `sub.lock` unless
+        `held` is False). If that fails, the wake is withdrawn (unless a worker claimed it
+        meanwhile) and the error raised: the driver retries with backoff."""
         stream = next(
             (
                 path
@@ -168,12 +178,20 @@ class Delivery:
         except Exception as error:
             # Withdrawn in memory only: a saved wake is void after a restart anyway, and a wake
             # nobody was told about must not block the next one.
-            if sub.wake is wake and wake.holder is None:
-                sub.wake = None
+            if held:
+                self._withdraw(sub, wake)
+            else:
+                async with sub.lock:  # not in the middle of a claim saving this wake
+                    self._withdraw(sub, wake)
             if isinstance(error, ProtocolError):
                 message = f"cannot write to wake stream {wake_stream!r}: {error.message}"
                 raise ProtocolError(error.status, error.code, message) from None
             raise
+
+    @staticmethod
+    def _withdraw(sub: Subscription, wake: Wake) -> None:
+        if sub.wake is wake and wake.holder is None:
+            sub.wake = None
 
     # ---- webhooks --------------------------------------------------------------------------
 

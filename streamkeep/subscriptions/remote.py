@@ -7,6 +7,10 @@ it is left as it is until it is heard of). `Remote` is the rest: control request
 wrong member, telling the other members what a subscription follows, fresh tails before an ack is
 judged, and wake events for wake streams another member owns. `streamkeep/cluster/subscriptions.py`
 implements both; this package never imports the cluster code.
+
+Its calls may wait for another member (up to 5 s; at once refused for one known to be failing), so
+the subscriptions never make them holding a subscription's lock: a hung member must not stall the
+subscription's other calls (api.py, delivery.py).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Remote(Protocol):
 
     async def announce(self, sub: Subscription, extra: tuple[str, ...] = ()) -> None:
         """Tells every member what `sub` follows (its pattern, its explicit streams and `extra`)
-        and learns their matching streams; raises a 503 if one cannot be reached."""
+        and learns their matching streams; raises a 503 if one cannot be reached (at once for one
+        known to be failing). Tells nobody if `sub` was deleted meanwhile."""
         ...
 
     async def catch_up(self, sub: Subscription) -> None:
@@ -61,6 +66,10 @@ class Remote(Protocol):
 
     async def refresh(self, sub: Subscription, acks: list[tuple[str, int]]) -> None:
         """Asks the members of remote streams acked past their last known tail for their tails."""
+        ...
+
+    def elsewhere(self, path: str) -> bool:
+        """True if another member owns stream `path` (its wake events go through `append_wake`)."""
         ...
 
     async def append_wake(self, path: str, body: bytes) -> bool:
