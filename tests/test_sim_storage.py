@@ -19,6 +19,7 @@ import trio.testing
 from ops.torture.simfs import FaultPlan, SimFileSystem
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.model import Headers, Request, Response
+from streamkeep.protocol.stream import ForkSpec
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 from streamkeep.service import Service, ServiceOptions
@@ -466,3 +467,86 @@ async def test_an_upload_gives_back_a_deleted_streams_descriptor_at_its_next_ret
             nursery.cancel_scope.cancel()
     finally:
         frozen.set()
+
+
+async def test_a_fork_counted_while_a_failed_append_is_undone_keeps_its_source() -> None:
+    """Found by the simulation (seed 7582, interval/fdatasync): the source counted a new fork on
+    the meta it had read before syncing the fork point; an append to the source failed meanwhile,
+    and its undo put a copy of the last durable meta in place, so the count went to a meta no one
+    read any more. The source's DELETE then removed it outright (a 404, and the fork's inherited
+    range gone) instead of keeping it soft-deleted (410) for the fork."""
+    writing, release = trio.Event(), trio.Event()
+    armed = [False]
+
+    async def steered(fn: Any, *args: Any, limiter: Any = None) -> Any:
+        if getattr(fn, "__name__", "") == "_write_group" and armed[0]:
+            armed[0] = False
+            writing.set()
+            await release.wait()
+            for batch in args[0]:  # the disk is full: nothing written, the appends fail
+                batch.error = OSError(errno.ENOSPC, "No space left on device")
+            return None
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+    options: dict[str, Any] = {"fsync": "interval", "fsync_interval": 1000.0, "run_sync": steered}
+    async with server(new_fs(), **options) as (service, storage):
+        assert (await call(service, "PUT", "src", b"a;", T)).status == 201
+        assert (await call(service, "POST", "src", b"b;", T)).status == 204  # written, not yet synced
+        source = storage.open("src")
+        assert source is not None and source.dirty
+        answers: dict[str, Response] = {}
+
+        async def send(key: str, method: str, name: str, body: bytes, headers: list) -> None:
+            answers[key] = await call(service, method, name, body, headers)
+
+        armed[0] = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, "append", "POST", "src", b"c;", T)
+            await writing.wait()  # the append is being written, under the stream's I/O lock
+            nursery.start_soon(send, "fork", "PUT", "fork", b"", [("Stream-Forked-From", "/v1/stream/src")])
+            with trio.fail_after(5):  # the fork's source waits for that lock to sync the fork point
+                while source.io_lock.statistics().tasks_waiting == 0:
+                    await trio.sleep(0.01)
+            release.set()
+        assert answers["append"].status == 507, answers["append"].body
+        assert answers["fork"].status == 201, answers["fork"].body
+        assert source.meta.fork_count == 1
+        assert (await call(service, "DELETE", "src")).status == 204
+        assert (await call(service, "GET", "src", query="offset=-1")).status == 410  # soft-deleted
+        assert (await call(service, "GET", "fork", query="offset=-1")).body == b"a;b;"
+        assert (await call(service, "DELETE", "fork")).status == 204
+        assert (await call(service, "GET", "src", query="offset=-1")).status == 404  # the last fork took it
+
+
+async def test_a_failed_append_keeps_the_pins_of_remote_forks() -> None:
+    """The undo of a failed append put the last durable meta back but for the fork count and the
+    soft deletion: a pin of a fork on another member, saved to meta.cbor since, went from memory
+    (its detach then found no pin and left the count up), and the next save of the meta would
+    have dropped it from disk too."""
+    failing = [False]
+
+    async def steered(fn: Any, *args: Any, limiter: Any = None) -> Any:
+        if getattr(fn, "__name__", "") == "_write_group" and failing[0]:
+            for batch in args[0]:  # the disk is full: nothing written, the appends fail
+                batch.error = OSError(errno.ENOSPC, "No space left on device")
+            return None
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+    async with server(new_fs(), run_sync=steered) as (service, storage):
+        assert (await call(service, "PUT", "src", b"a;", T)).status == 201
+        assert (await call(service, "POST", "src", b"b;", T)).status == 204
+        failing[0] = True  # the disk fills up: the meta in place is a copy of the durable one now
+        assert (await call(service, "POST", "src", b"c;", T)).status == 507
+        # A fork that another member will own: its pin is saved in the source's meta.
+        spec = ForkSpec("src", None, None, 0)
+        await service.supervisor.call("src", "attach_fork", spec, None, ("f1", "fork"))
+        source = storage.open("src")
+        assert source is not None
+        assert [pin[:2] for pin in source.meta.remote_forks] == [("f1", "fork")]
+        assert (await call(service, "POST", "src", b"c;", T)).status == 507
+        failing[0] = False
+        assert [pin[:2] for pin in source.meta.remote_forks] == [("f1", "fork")]
+        assert source.meta.fork_count == 1
+        assert (await call(service, "DELETE", "src")).status == 204  # soft-deleted: the fork reads it
+        await service.supervisor.call("src", "detach_fork", "f1")
+        assert storage.open("src") is None  # its last fork gone, the source goes too

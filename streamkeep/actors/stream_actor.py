@@ -486,7 +486,11 @@ class StreamActor:
         # what the fork reads (and leave the fork pointing past its source's end).
         if pin is None:
             await stream_log.make_durable()
-            meta.fork_count += 1
+            # Counted on the meta in place now, not on `meta`: an append that failed meanwhile put
+            # a copy of the durable meta in its place (log.py `_fail`), and a count on the one
+            # read before would be lost, the source deleted outright under its fork (sim seed 7582).
+            # (The fields read below are the source's own: no append changes them.)
+            stream_log.meta.fork_count += 1
             return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base)
         return await self._pin_fork(stream_log, pin, position, base)
 
@@ -506,14 +510,15 @@ class StreamActor:
             if position < low:
                 raise below_floor(low, meta.incarnation)
             pins = (*(p for p in before if p[0] != pin[0]), (pin[0], pin[1], low))
-            await self._storage.save_meta(self.name, replace(meta, remote_forks=pins))
+            await self._storage.save_meta(self.name, replace(stream_log.meta, remote_forks=pins))
         except BaseException as error:
+            # On the meta in place now, as in `attach_fork`: a failed append may have replaced it.
             if pins is not before and getattr(error, "happened", False):
-                meta.remote_forks = pins  # saved, if not durably: the fork may follow
+                stream_log.meta.remote_forks = pins  # saved, if not durably: the fork may follow
             elif not again:
-                meta.fork_count -= 1
+                stream_log.meta.fork_count -= 1
             raise
-        meta.remote_forks = pins
+        stream_log.meta.remote_forks = pins
         incarnations = (meta.incarnation, *self._source_incarnations(stream_log))
         return ForkSource(meta.content_type, meta.ttl_seconds, meta.expires_at, meta.expires_at_ts, base, low, incarnations)
 
@@ -546,7 +551,7 @@ class StreamActor:
             except BaseException as error:
                 if not getattr(error, "happened", False):
                     raise  # the pin stays, in memory as on disk: a reconcile tries again
-            meta.remote_forks = kept
+            stream_log.meta.remote_forks = kept  # the meta in place now (see `attach_fork`)
         stream_log.meta.fork_count = max(0, stream_log.meta.fork_count - 1)
         if stream_log.meta.soft_deleted and stream_log.meta.fork_count == 0:
             await self._hard_delete(stream_log)
@@ -561,7 +566,7 @@ class StreamActor:
         raised = tuple((i, name, max(held, low)) if i == pin else (i, name, held) for i, name, held in meta.remote_forks)
         if raised != meta.remote_forks:
             await self._storage.save_meta(self.name, replace(meta, remote_forks=raised))
-            meta.remote_forks = raised
+            stream_log.meta.remote_forks = raised  # the meta in place now (see `attach_fork`)
 
     async def append(self, spec: AppendSpec) -> PendingAppend:
         now = time.time()

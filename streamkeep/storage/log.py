@@ -332,12 +332,15 @@ class DiskLog:
         self._storage.health.failed("commit", str(error))
         self._storage.budget.release(self._tail - self._pub_tail)
         self._tail = self._pub_tail
-        # Undo the failed appends only: fork links and soft deletion are not part of them.
+        # Undo the failed appends only: fork links (local counts and remote pins) and soft
+        # deletion are not part of them. A new meta object: whoever changes one of those after
+        # an await must change `self.meta` as it is then, not one it read before.
         self.meta = replace(
             self._durable_meta,
             last_access=self.meta.last_access,
             fork_count=self.meta.fork_count,
             soft_deleted=self.meta.soft_deleted,
+            remote_forks=self.meta.remote_forks,
         )
         self.producers = dict(self._durable_producers)
         # A retried duplicate or an idempotent close waits on this: it repeats what is published.
