@@ -115,6 +115,9 @@ def test_streams_land_on_their_owners_and_a_killed_member_costs_only_its_own(clu
     names = [f"orders/{i}" for i in range(40)]
     owners = {name: cluster.placement.owner(name).id for name in names}
     assert set(owners.values()) == {"a", "b"}
+    config = (cluster.root / "lb" / "haproxy.cfg").read_text()
+    # No redispatch (a second history), and live writes not held back ~200 ms (torture finding C1).
+    assert "\n    no option redispatch\n" in config and "\n    option http-no-delay\n" in config
     with httpx.Client(timeout=10) as h1, httpx.Client(http1=False, http2=True, timeout=10) as h2c:
         for name in names:
             created = h1.put(f"{cluster.front}/v1/stream/{name}", headers={"Content-Type": "text/plain"})

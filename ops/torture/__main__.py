@@ -2,13 +2,14 @@
 
     python -m ops.torture blackbox --seed 7 --duration 60 [--fsync always|interval|never]
         [--sync-method fdatasync|syncfs] [--disk tmpfs|ext4|plain] [--no-cold] [--workers 6]
-        [--seeds K | --until-failure] [--matrix --total-minutes M]
+        [--seeds K | --until-failure] [--matrix --total-minutes M] [--cluster 2]
     python -m ops.torture check HISTORY.jsonl    # judge a dumped history again
     python -m ops.torture sim --seed 7 [--seeds K] [--ops N] [--fsync ...] [--matrix --total-minutes M]
-    python -m ops.torture all --total-minutes 30  # both tiers: what `make torture` runs
+    python -m ops.torture all --total-minutes 30 [--cluster 2]  # both tiers: what `make torture` runs
 
 Exit status 1 on any finding. `--matrix` cycles through fsync modes and disks (and the cold tier on
 and off) with increasing seeds until `--total-minutes` have passed: what `make torture` runs.
+`--cluster N` runs N members behind HAProxy instead of one server (ops/torture/cluster.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ops.torture import cluster as cluster_tier
 from ops.torture import sim as sim_tier
 from ops.torture import simthreads
 from ops.torture.blackbox import Options, format_summary, run
@@ -39,6 +41,8 @@ MATRIX = [
 
 
 def blackbox(args: argparse.Namespace) -> int:
+    if args.cluster == 1:
+        raise SystemExit("--cluster: a cluster run needs at least 2 members (0: one server)")
     base = Options(
         seed=args.seed,
         duration=args.duration,
@@ -50,6 +54,7 @@ def blackbox(args: argparse.Namespace) -> int:
         workers=args.workers,
         dump_dir=Path(args.dump_dir),
         server_args=tuple(args.server_args.split()),
+        cluster=args.cluster,
     )
     failed: list[str] = []
     began = time.monotonic()
@@ -58,7 +63,8 @@ def blackbox(args: argparse.Namespace) -> int:
         if args.matrix:
             options.fsync, options.sync_method, options.disk, options.cold = MATRIX[index % len(MATRIX)]
         print(f"== {options.replay()}", flush=True)
-        result = run(options, log=lambda line: print(line, flush=True))
+        tier = cluster_tier.run if options.cluster else run
+        result = tier(options, log=lambda line: print(line, flush=True))
         print(format_summary(result), flush=True)
         if result.summary.findings:
             failed.append(options.replay())
@@ -82,6 +88,7 @@ def check(args: argparse.Namespace) -> int:
         fsync_interval=float(meta.get("fsync_interval", 1.0)),
         cold=meta.get("cold", "True") == "True",
         retention=meta.get("retention", "False") == "True",
+        members=tuple(m for m in meta.get("members", "").split(",") if m),
     )
     summary = check_history(events, config)
     print(
@@ -120,6 +127,13 @@ def main() -> int:
         help="where failing runs leave their history, server output and bricked data directories",
     )
     box.add_argument("--server-args", default="", help="extra `streamkeep serve` flags (they win)")
+    box.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N members behind HAProxy, one killed at a time, forks across members (ops/torture/cluster.py)",
+    )
     box.set_defaults(run=blackbox)
     checking = commands.add_parser("check", help="judge a dumped history again")
     checking.add_argument("history")
@@ -134,6 +148,13 @@ def main() -> int:
     )
     both.add_argument("--total-minutes", type=float, default=30.0)
     both.add_argument("--seed", type=int, default=1)
+    both.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="give half of the black box's time to runs of N members behind HAProxy (blackbox --cluster)",
+    )
     both.set_defaults(run=all_tiers)
     args = parser.parse_args()
     if args.command in ("sim", "all"):
@@ -184,7 +205,8 @@ def simulate(args: argparse.Namespace) -> int:
 
 def all_tiers(args: argparse.Namespace) -> int:
     """What `make torture` runs: the in-process tier for a third of the time, the black box for
-    the rest, each printing its summary."""
+    the rest, each printing its summary (with --cluster N, half of the black box's time goes to
+    N-member runs, across the same matrix)."""
     parser = argparse.ArgumentParser()
     sim_tier.add_arguments(parser)
     sim_args = parser.parse_args(["--seed", str(args.seed), "--ops", "4000"])
@@ -205,8 +227,14 @@ def all_tiers(args: argparse.Namespace) -> int:
         total_minutes=args.total_minutes * 2 / 3,
         dump_dir=str(Path(tempfile.gettempdir()) / "torture-runs"),
         server_args="",
+        cluster=0,
     )
-    return max(status, blackbox(box))
+    if not args.cluster:
+        return max(status, blackbox(box))
+    box.total_minutes /= 2
+    status = max(status, blackbox(box))
+    cluster = argparse.Namespace(**{**vars(box), "cluster": args.cluster, "duration": 60.0})
+    return max(status, blackbox(cluster))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ops.torture import retention as torture_retention
@@ -66,6 +66,7 @@ class Options:
     # Extra `streamkeep serve` flags, appended last (they override ours): for investigating a
     # finding, e.g. "--segment-max-age 0" to take one trigger away.
     server_args: tuple[str, ...] = ()
+    cluster: int = 0  # members behind HAProxy (ops/torture/cluster.py); 0: one server
 
     def replay(self) -> str:
         command = (
@@ -73,6 +74,7 @@ class Options:
             f"--fsync {self.fsync} --sync-method {self.sync_method} --disk {self.disk} --workers {self.workers}"
         )
         extra = f" --server-args='{' '.join(self.server_args)}'" if self.server_args else ""
+        extra += f" --cluster {self.cluster}" if self.cluster else ""
         return command + ("" if self.cold else " --no-cold") + ("" if self.retention else " --no-retention") + extra
 
 
@@ -84,6 +86,7 @@ class Result:
     dumped: Path | None = None
     server_output: str = ""
     cold_objects: int = 0  # most objects seen in the bucket at once (segments uploaded)
+    cluster: dict[str, int] = field(default_factory=dict)  # a cluster run's counts (cluster.py)
 
 
 @dataclass
@@ -183,8 +186,7 @@ class Run:
 
     def initialize(self) -> None:
         """What a fresh server needs before the workload: the wake stream and the subscriptions."""
-        assert self.server is not None
-        transport = HttpTransport(self.server.url, self.history.clock)
+        transport = HttpTransport(self.client_url(), self.history.clock)
         try:
             create = Call(
                 "PUT", f"/v1/stream/{WAKE_STREAM}", headers={"Content-Type": "application/json"}, body="[]"
@@ -203,6 +205,11 @@ class Run:
                 self.execute(transport, "setup", Planned("sub_put", None, {"sub": sub_id}, call))
         finally:
             transport.close()
+
+    def client_url(self) -> str:
+        """Where clients send requests: the server (a cluster run: the front door)."""
+        assert self.server is not None
+        return self.server.url
 
     def teardown(self) -> None:
         for part in (
@@ -368,9 +375,9 @@ class Run:
             self.fault(plan, rng)
 
     def fault(self, plan: FaultPlan, rng: random.Random) -> None:
-        assert self.server is not None
         kind = plan.kind
         if kind in ("kill", "term"):
+            assert self.server is not None
             with self.server_lock:
                 self.expect_down = True
                 self.up.clear()
@@ -531,7 +538,7 @@ class Run:
                     self.checker_error = traceback.format_exc()
         finally:
             self.stop.set()
-            output = self.server.all_output() if self.server else ""
+            output = self.all_output()
             self.teardown()
         summary = self.checker.summary()
         if self.checker_error is not None:
@@ -540,18 +547,25 @@ class Run:
             summary.findings.append(Finding("checker-error", self.checker_error[-1500:], [], 0.0))
         result = Result(self.options, summary, time.monotonic() - began_wall, server_output=output)
         result.cold_objects = self.cold_objects
+        self.add_results(result)
         if summary.findings:
             self.options.dump_dir.mkdir(parents=True, exist_ok=True)
-            result.dumped = (
-                self.options.dump_dir
-                / f"blackbox-seed{self.options.seed}-{self.options.fsync}-{self.options.disk}.jsonl"
-            )
+            result.dumped = self.options.dump_dir / f"{self.dump_stem()}.jsonl"
             self.history.dump(result.dumped)
             result.dumped.with_suffix(".server.log").write_text(output)
             for kept in sorted(self.root.glob("bricked-*")):
                 shutil.copytree(kept, result.dumped.with_suffix(f".{kept.name}"), dirs_exist_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
         return result
+
+    def all_output(self) -> str:
+        return self.server.all_output() if self.server else ""
+
+    def dump_stem(self) -> str:
+        return f"blackbox-seed{self.options.seed}-{self.options.fsync}-{self.options.disk}"
+
+    def add_results(self, result: Result) -> None:
+        """What a kind of run adds to its result (the cluster run: its counts)."""
 
     def undo_faults(self) -> None:
         if self.disk_full:
@@ -576,6 +590,9 @@ class Run:
 
 
 def run(options: Options, log: Callable[[str], None] = print) -> Result:
+    """One single-server run (a cluster run is ops/torture/cluster.py's `run`)."""
+    if options.cluster:
+        raise ValueError("a cluster run: call ops.torture.cluster.run")
     return Run(options, log).run()
 
 
@@ -583,6 +600,7 @@ def format_summary(result: Result) -> str:
     s, o = result.summary, result.options
     lines = [
         f"seed {o.seed}: {o.duration:g} s, --fsync {o.fsync} ({o.sync_method}), disk {o.disk}, cold {'on' if o.cold else 'off'}"
+        + (f", {o.cluster} members behind HAProxy" if o.cluster else "")
     ]
     kinds = s.op_kinds()
     lines.append("operations: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
@@ -594,6 +612,8 @@ def format_summary(result: Result) -> str:
     lines.append("faults: " + ", ".join(f"{k} {n}" for k, n in sorted(s.faults.items())))
     if o.cold:
         lines.append(f"cold tier: up to {result.cold_objects} objects in the bucket at once")
+    if result.cluster:
+        lines.append("cluster: " + ", ".join(f"{k} {n}" for k, n in result.cluster.items()))
     lines.append("checks: " + ", ".join(f"{k} {n}" for k, n in sorted(s.checks.items())))
     counted = ", ".join(f"{k} {n}" for k, n in sorted(s.occurrences.items()))
     lines.append(f"findings: {len(s.findings)}" + (f" (occurrences: {counted})" if counted else ""))

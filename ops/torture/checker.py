@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ops.torture import contract
 from ops.torture.history import AMBIGUOUS, Event, Fault, OpEnded, OpStarted, Outcome
+from ops.torture.membership import PROXY_STATUSES, UNAVAILABLE_CODES
 from ops.torture.model import Finding, Model, RunConfig
 from ops.torture.operations import REGISTRY, Operation
 
@@ -95,6 +96,8 @@ class Checker:
             # effects on the model's state still apply in time order, from the queue.
             assert isinstance(event, Fault)
             self.model.faults.add(event)
+            if event.kind == "restart":
+                self.model.restarted(event)  # again in time order, from the queue
             heapq.heappush(self._queue, (event.time, next(self._order), event))
         self._drain()
 
@@ -148,6 +151,23 @@ class Checker:
                     "unexplained-503",
                     f"{started.op} {started.name}: {status} with no fault to explain it "
                     f"({contract.fault_reason(status, outcome.body)}): {outcome.body[:200]}",
+                    [started.id],
+                )
+                if model.cluster is not None and contract.error_code(outcome.body) in UNAVAILABLE_CODES:
+                    model.check(  # a client is told when to try again (HAProxy's, or a member's)
+                        "retry-after",
+                        "retry-after" in outcome.headers,
+                        "no-retry-after",
+                        f"{started.op} {started.name}: 503 without Retry-After: {outcome.body[:200]}",
+                        [started.id],
+                    )
+            elif model.cluster is not None and status in PROXY_STATUSES:
+                model.check(
+                    "proxy-status",
+                    model.fault_explains(status, outcome.body, started, ended, None),
+                    "unexplained-proxy-error",
+                    f"{started.op} {started.name}: {status} from the load balancer while the member "
+                    f"owning it was up: {outcome.body[:200]}",
                     [started.id],
                 )
             elif status != 500:

@@ -44,6 +44,8 @@ from typing import NamedTuple
 
 from ops.torture import contract, payloads
 from ops.torture.history import AMBIGUOUS, FAILED, OK, Fault, OpEnded, OpStarted
+from ops.torture.membership import GRACE as MEMBER_GRACE
+from ops.torture.membership import Membership
 
 ANY_INCARNATION = 0
 PER_KIND = 5  # findings kept per kind (all are counted)
@@ -349,6 +351,8 @@ class FaultLog:
         self.windows: dict[str, list[list[float]]] = {k: [] for k in contract.WINDOWS}
         self.points: dict[str, list[float]] = {}
         self.counts: Counter[str] = Counter()
+        # A cluster run's process faults name their member: each member's own "down" windows.
+        self.by_member: dict[str, list[list[float]]] = {}
 
     def add(self, fault: Fault) -> None:
         self.counts[fault.kind] += 1
@@ -359,10 +363,21 @@ class FaultLog:
                     spans.append([fault.time, math.inf])
             elif fault.kind in ends and spans and spans[-1][1] == math.inf:
                 spans[-1][1] = fault.time
+        member = fault.detail.get("member")
+        begins, ends = contract.WINDOWS["down"]
+        if member is not None and (fault.kind in begins or fault.kind in ends):
+            spans = self.by_member.setdefault(member, [])
+            if fault.kind in begins and (not spans or spans[-1][1] != math.inf):
+                spans.append([fault.time, math.inf])
+            elif fault.kind in ends and spans and spans[-1][1] == math.inf:
+                spans[-1][1] = fault.time
         self.points.setdefault(fault.kind, []).append(fault.time)
 
     def active(self, cls: str, start: float, end: float, grace: float = 0.0) -> bool:
         return any(lo <= end and start <= hi + grace for lo, hi in self.windows[cls])
+
+    def member_down(self, member: str, start: float, end: float, grace: float = 0.0) -> bool:
+        return any(lo <= end and start <= hi + grace for lo, hi in self.by_member.get(member, ()))
 
     def happened(self, kind: str, after: float, before: float) -> bool:
         return any(after <= t <= before for t in self.points.get(kind, ()))
@@ -379,6 +394,7 @@ class RunConfig:
     fsync_interval: float = 1.0
     cold: bool = True
     retention: bool = False  # retention rules and compaction run (ops/torture/retention.py)
+    members: tuple[str, ...] = ()  # a cluster run's member ids (ops/torture/cluster.py); () one server
 
 
 class Model:
@@ -411,6 +427,7 @@ class Model:
         self.undurable: list[tuple[str, frozenset[State], int]] = []
         # Whole-run checks operation families add (the registry's), run by `finish` last.
         self.finishers: dict[str, Callable[[Model], None]] = {}
+        self.cluster = Membership(self.config.members) if self.config.members else None
 
     # ---- findings ------------------------------------------------------------------------
 
@@ -448,7 +465,8 @@ class Model:
                 out.add(state)
                 continue
             # An expired stream is deleted like any other: soft-deleted while forks read it.
-            expired = [ABSENT, state._replace(soft=True)] if inc.forks else [ABSENT]
+            kept = inc.forks or self.maybe_leaky(inc, end)  # a pin of a fork that is gone counts too
+            expired = [ABSENT, state._replace(soft=True)] if kept else [ABSENT]
             if inc.surely_expired_at(start):
                 out.update(expired)
                 continue
@@ -482,6 +500,15 @@ class Model:
         if any(name == inc.name and start <= time for name, start in self.deletes_in_flight.values()):
             return True
         return any(s.inc is not inc for s in self.states(inc.name, time, time))
+
+    def maybe_leaky(self, inc: Incarnation, time: float) -> bool:
+        """A cluster run: `inc` may hold the pin of a cross-member fork that is gone (membership.py)."""
+        if self.cluster is None:
+            return False
+        return self.cluster.maybe_leaky(inc.name, inc.created_at, time, self.any_member_down)
+
+    def any_member_down(self, start: float, end: float) -> bool:
+        return any(self.faults.member_down(m, start, end) for m in self.faults.by_member)
 
     def surely_live(self, inc: Incarnation, time: float) -> bool:
         states = self.states(inc.name, time, time)
@@ -972,6 +999,13 @@ class Model:
                 f"the server does not start again: {last_error(str(fault.detail.get('output', '')))}",
                 [fault.id],
             )
+        if fault.kind == "reconcile_failed":  # a cluster run (ops/torture/cluster.py)
+            self.finding(
+                "reconcile-failed",
+                f"member {fault.detail.get('member')}: its fork pin reconcile did not succeed with every "
+                f"other member up: {str(fault.detail.get('stats'))[:400]}",
+                [fault.id],
+            )
         if fault.kind == "crash":
             # A probe that found no server just before is this same exit, noticed first.
             self.occurrences["server-down"] -= self.recent_down
@@ -990,9 +1024,7 @@ class Model:
             self.undurable.clear()
         if fault.kind == "restart":
             self.restarts.append(fault.time)
-            for inc in self.all_incs:
-                inc.touched_lo = inc.touched_lo_write  # reads' touches live in memory only
-                inc.touched_hi = max(inc.touched_hi, fault.time)  # recovery may count from now
+            self.restarted(fault)
         if fault.kind == "s3_wipe":
             for inc in self.all_incs:
                 if inc.cold_wiped_at is None:
@@ -1003,6 +1035,20 @@ class Model:
             window = contract.loss_window(self.config.fsync, fault.kind, self.config.fsync_interval)
             if window > 0:
                 self._rewind(fault.time, window, fault.id)
+
+    def restarted(self, fault: Fault) -> None:
+        """A restart forgets reads' touches (they live in memory only) and recovery may count a TTL
+        from now. Applied in time order (`fault`), and also as soon as the checker hears of it: a
+        mutator that ends after it is judged at once, maybe before the queue reaches the restart
+        (a cluster run, seed 207: HAProxy held a fork sent while its member was down and delivered
+        it after the restart, which found its TTL source expired by its last write). Both only
+        widen what is possible; a cluster restart concerns its member's streams only."""
+        member = fault.detail.get("member")
+        for inc in self.all_incs:
+            if member is not None and self.cluster is not None and self.cluster.owner(inc.name) != member:
+                continue
+            inc.touched_lo = inc.touched_lo_write
+            inc.touched_hi = max(inc.touched_hi, fault.time)
 
     def _disk_replaced(self, fault: Fault) -> None:
         """The operator gave a bricked server an empty data directory: every stream is gone, and
@@ -1057,6 +1103,12 @@ class Model:
         """Whether a 503/507 is explained by a fault active during the operation."""
         reason = contract.fault_reason(status, body)
         s, e = started.time, ended.time
+        if self.cluster is not None:
+            blamed = self.cluster.blamed(status, body, started.name)
+            if blamed is not None:
+                return any(self.faults.member_down(m, s, e, MEMBER_GRACE) for m in blamed)
+            if status == 503 and not contract.error_code(body) and self.any_member_down(s - MEMBER_GRACE, e):
+                return True  # no body to tell who answered (a HEAD, a client that took too few bytes)
         disk = self.faults.active("disk", s, e, contract.GRACE["disk"]) or self.faults.active(
             "disk-faults", s, e, contract.GRACE["disk-faults"]
         )
@@ -1084,7 +1136,9 @@ class Model:
             (inc is None or inc.source is not None) and self.faults.happened("s3_wipe", 0, e)
         )
 
-    def server_down(self, start: float, end: float) -> bool:
+    def server_down(self, start: float, end: float, member: str | None = None) -> bool:
+        if member is not None:
+            return self.faults.member_down(member, start, end, contract.GRACE["down"])
         return self.faults.active("down", start, end, contract.GRACE["down"])
 
     # ---- the end -------------------------------------------------------------------------

@@ -65,6 +65,9 @@ def config(
         "defaults",
         "    mode http",
         "    option http-keep-alive",
+        # Without it HAProxy sends a live response's small writes with MSG_MORE and the kernel holds
+        # each for up to 200 ms: every SSE event and long-poll answer came ~205 ms late (torture C1).
+        "    option http-no-delay",
         "    option forwardfor",
         "    no option redispatch",
         "    retries 2",

@@ -76,6 +76,9 @@ class ClientView:
         self.counters: dict[str, int] = {}
         self.sub_confirmed: set[str] = set()
         self.webhook_url: str | None = None
+        # Fork mostly onto free fork names (a cluster run: every fork create that gets as far as
+        # its source's member is one the kills can cut); otherwise any fork name.
+        self.prefer_free_forks = False
 
     def next_id(self, worker: str) -> str:
         with self.lock:

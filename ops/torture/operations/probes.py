@@ -20,15 +20,17 @@ class Healthz(Operation):
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
         outcome = ended.outcome
+        member = started.params.get("member")  # a cluster run probes each member directly
         if outcome.status is None:
             # Counted until a "crash" event explains it (the probe notices an exit first).
-            explained = model.server_down(started.time, ended.time)
+            explained = model.server_down(started.time, ended.time, member)
             model.recent_down = 0 if explained else model.recent_down + 1
             model.check(
                 "server-up",
-                model.server_down(started.time, ended.time),
+                explained,
                 "server-down",
-                f"GET /healthz got no answer ({outcome.error}) while no fault had stopped the server",
+                f"GET /healthz{f' of member {member}' if member else ''} got no answer ({outcome.error}) "
+                "while no fault had stopped it",
                 [started.id],
             )
             return

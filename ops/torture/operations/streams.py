@@ -195,6 +195,9 @@ class Fork(Operation):
         if source is None:
             return None
         target = f"fork/{rng.randrange(FORKS)}"
+        free = [f"fork/{i}" for i in range(FORKS) if not view.streams[f"fork/{i}"].exists]
+        if view.prefer_free_forks and free and rng.random() < 0.75:
+            target = rng.choice(free)
         if target == source:
             return None
         guess = view.streams[source]
@@ -227,6 +230,8 @@ class Fork(Operation):
 
     def judge(self, model: Model, started: OpStarted, ended: OpEnded) -> None:
         name, p, outcome = started.name or "", started.params, ended.outcome
+        if model.cluster is not None:
+            model.cluster.note_fork(p["source"], name, started.time, ended.time)
         source_states = model.states(p["source"], started.time, ended.time)
         target_states = model.states(name, started.time, ended.time)
         offset = parse_token(p["offset"]) if p["offset"] else None
@@ -744,7 +749,7 @@ class Delete(Operation):
                 return [state]
             if any(model.surely_live(f, ended.time) for f in inc.forks):
                 return [state._replace(soft=True)]
-            if any(model.maybe_live(f, ended.time) for f in inc.forks):
+            if any(model.maybe_live(f, ended.time) for f in inc.forks) or model.maybe_leaky(inc, ended.time):
                 return [state._replace(soft=True), ABSENT]
             return [ABSENT]
 
