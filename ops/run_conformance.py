@@ -24,6 +24,7 @@ from pathlib import Path
 from ops.serverproc import ROOT, launch, start
 
 SUITE_DIR = ROOT / "conformance"
+SUBSCRIPTION_TESTS = "Reserved subscription APIs"  # the suite's describe() of its subscription tests
 
 
 def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
@@ -53,6 +54,19 @@ def server_stats(url: str, ca: Path | None, token: str | None, query: str = "") 
         return json.load(response)
 
 
+def subscription_crossings(view: dict) -> int:
+    """How often this member's subscriptions learnt of a stream on another member (a state in an
+    answer or a report) and reported its own streams to another member's subscriptions."""
+    cluster = view.get("subscriptions", {}).get("cluster", {})
+    reported = sum(peer.get("reported", 0) for peer in cluster.get("members", {}).values())
+    return reported + cluster.get("remote_streams", 0) + cluster.get("remote_gone", 0)
+
+
+def subscriptions_crossed(url: str, ca: Path | None, token: str | None) -> bool:
+    members = server_stats(url, ca, token, "?cluster=1")["members"]
+    return sum(subscription_crossings(view) for view in members.values()) > 0
+
+
 def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2: bool) -> int:
     """Through a cluster's front door: forks must have crossed members both ways and some
     subscription must have followed a stream on another member (the suite's names hash to both),
@@ -64,10 +78,7 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
             "inherited_reads_from_elsewhere": view.get("cluster_forks", {}).get("remote_reads", 0),
             "forwarded_requests": view.get("cluster", {}).get("forwarded_requests", 0),
             "client_http_versions": view.get("cluster", {}).get("requests_by_client_http_version", {}),
-            "stream_reports_to_subscription_keepers": sum(
-                peer.get("reported", 0)
-                for peer in view.get("subscriptions", {}).get("cluster", {}).get("members", {}).values()
-            ),
+            "subscriptions_following_streams_elsewhere": subscription_crossings(view),
             "streams": view.get("streams"),
         }
         for member, view in sorted(members.items())
@@ -78,9 +89,6 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
         return 1
     if not all(c["forks_of_its_streams_elsewhere"] and c["inherited_reads_from_elsewhere"] for c in crossed.values()):
         print("conformance: forks did not cross members both ways", file=sys.stderr)
-        return 1
-    if not sum(c["stream_reports_to_subscription_keepers"] for c in crossed.values()):
-        print("conformance: no subscription followed a stream on another member", file=sys.stderr)
         return 1
     if http2:
         spoken: Counter[str] = Counter()
@@ -165,22 +173,27 @@ def main() -> int:
         try:
             env["CONFORMANCE_SUBSCRIPTIONS"] = "1"
             env["CONFORMANCE_TEST_URL"] = server.url
-            result = subprocess.run(
-                [
-                    "npx",
-                    "vitest",
-                    "run",
-                    "--config",
-                    "vitest.config.mjs",
-                    *(["-t", args.filter] if args.filter else []),
-                ],
-                cwd=SUITE_DIR,
-                env=env,
-            )
+            vitest = ["npx", "vitest", "run", "--config", "vitest.config.mjs"]
+            result = subprocess.run([*vitest, *(["-t", args.filter] if args.filter else [])], cwd=SUITE_DIR, env=env)
             if args.tls_h2 and result.returncode == 0 and not args.cluster:
                 result.returncode = check_http2_was_used(
                     server.url, Path(tmp) / "ca.pem", env.get("CONFORMANCE_AUTH_TOKEN")
                 )
+            if args.cluster and result.returncode == 0 and not args.filter:
+                # The suite names its subscriptions and streams at random: whether one follows a
+                # stream on another member is chance (2 runs in 6 here had none). Its subscription
+                # tests run again until one does, at most 5 times, each of them passing.
+                ca_path = Path(tmp) / "ca.pem" if args.tls_h2 else None
+                token = env.get("CONFORMANCE_AUTH_TOKEN")
+                for again in range(5):
+                    if result.returncode != 0 or subscriptions_crossed(server.url, ca_path, token):
+                        break
+                    print(f"conformance: no subscription crossed members yet; its tests again ({again + 1})")
+                    result = subprocess.run([*vitest, "-t", SUBSCRIPTION_TESTS], cwd=SUITE_DIR, env=env)
+                else:
+                    if not subscriptions_crossed(server.url, ca_path, token):
+                        print("conformance: no subscription followed a stream on another member", file=sys.stderr)
+                        result.returncode = 1
             if args.cluster and result.returncode == 0 and not args.filter:
                 result.returncode = check_crossed_members(
                     server.url,
