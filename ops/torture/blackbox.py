@@ -32,9 +32,10 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from ops.torture import retention as torture_retention
 from ops.torture.checker import Checker, Summary
@@ -47,6 +48,12 @@ from ops.torture.operations.subscriptions import sub_config
 from ops.torture.rig import CREDENTIALS, S3, Disk, Server, WebhookReceiver
 from ops.torture.transport import HttpTransport
 
+
+class Timed(Protocol):
+    at: float  # seconds since the run began
+
+
+P = TypeVar("P", bound=Timed)
 VANISHING = ("vanish", "cut_body", "send_and_vanish")
 SEGMENT_BYTES = 16384
 
@@ -367,12 +374,17 @@ class Run:
 
     def faults(self, began: float) -> None:
         rng = random.Random(f"{self.options.seed}/faults")
-        for plan in fault_schedule(self.options, rng):
+        self.follow(fault_schedule(self.options, rng), began, lambda plan: self.fault(plan, rng))
+
+    def follow(self, plans: Iterable[P], began: float, apply: Callable[[P], object]) -> None:
+        """Applies each planned fault (anything with `at`, seconds since `began`) at its time,
+        until the run stops."""
+        for plan in plans:
             while not self.stop.is_set() and time.monotonic() - began < plan.at:
                 time.sleep(0.05)
             if self.stop.is_set():
                 return
-            self.fault(plan, rng)
+            apply(plan)
 
     def fault(self, plan: FaultPlan, rng: random.Random) -> None:
         kind = plan.kind

@@ -460,23 +460,14 @@ class ClusterRun(Run):
         storage.start()
         rng = random.Random(f"{self.options.seed}/faults")
         try:
-            for plan in member_faults(self.options, self.ids, rng):
-                while not self.stop.is_set() and time.monotonic() - began < plan.at:
-                    time.sleep(0.05)
-                if self.stop.is_set():
-                    return
-                self.member_fault(plan)
+            self.follow(member_faults(self.options, self.ids, rng), began, self.member_fault)
         finally:
             storage.join(30)
 
     def storage(self, began: float) -> None:
         rng = random.Random(f"{self.options.seed}/storage-faults")
-        for plan in storage_faults(self.options, rng):
-            while not self.stop.is_set() and time.monotonic() - began < plan.at:
-                time.sleep(0.05)
-            if self.stop.is_set():
-                return
-            self.fault(plan, rng)  # Run.fault: its disk and bucket kinds touch no server
+        # Run.fault: its disk and bucket kinds touch no server.
+        self.follow(storage_faults(self.options, rng), began, lambda plan: self.fault(plan, rng))
 
     def member_fault(self, plan: MemberFault) -> None:
         member, kind, detail = plan.member, plan.kind, {}
