@@ -41,8 +41,13 @@ def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
+STATS_ASKED = [0]  # this runner's own /stats requests (HTTP/1.1), beside the suite's
+
+
 def server_stats(url: str, ca: Path | None, token: str | None, query: str = "") -> dict:
     import json
+
+    STATS_ASKED[0] += 1
     import ssl
     import urllib.request
 
@@ -94,7 +99,7 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
         spoken: Counter[str] = Counter()
         for c in crossed.values():
             spoken.update(c["client_http_versions"])
-        if spoken.get("2.0", 0) < 1000 or spoken.get("1.1", 0) > 1:
+        if spoken.get("2.0", 0) < 1000 or spoken.get("1.1", 0) > STATS_ASKED[0]:
             print(f"conformance: the suite did not reach the front door over HTTP/2: {dict(spoken)}", file=sys.stderr)
             return 1
     return 0
