@@ -53,10 +53,9 @@ from ops.torture.blackbox import FaultPlan, Options, Result, Run
 from ops.torture.checker import Checker
 from ops.torture.history import Call, Fault, OpEnded, OpStarted, Outcome
 from ops.torture.model import RunConfig
-from ops.torture.operations import REGISTRY, GenContext, Planned, all_names
-from ops.torture.operations.base import PREFIX, SUB_HOOK, SUB_PULL, SUBS, WAKE_STREAM
+from ops.torture.operations import REGISTRY, GenContext, all_names
+from ops.torture.operations.base import PREFIX
 from ops.torture.operations.cluster import PINS
-from ops.torture.operations.registry import REGISTRY_STREAM
 from ops.torture.rig import CREDENTIALS, Server, free_port
 from ops.torture.transport import HttpTransport
 from streamkeep.cluster import haproxy
@@ -516,15 +515,7 @@ class ClusterRun(Run):
         ctx = GenContext("final", random.Random(0), self.view)
         try:
             self.wait_routed(transport)
-            for name in [*all_names(), WAKE_STREAM]:
-                head = Planned("head", name, {}, Call("HEAD", f"/v1/stream/{name}"))
-                self.execute(transport, "final", head, ctx)
-                self.read_all(transport, name, ctx)
-            self.read_all(transport, REGISTRY_STREAM, ctx, op="registry_read")
-            for sub_id in (SUB_PULL, SUB_HOOK):
-                if "sub_get" not in EXCLUDED:
-                    call = Call("GET", SUBS + sub_id)
-                    self.execute(transport, "final", Planned("sub_get", None, {"sub": sub_id}, call), ctx)
+            self.read_everything(transport, ctx, subscriptions="sub_get" not in EXCLUDED)
             self.count_pins()
         finally:
             transport.close()
