@@ -25,7 +25,7 @@ from streamkeep.auth.errors import AuthError
 from streamkeep.auth.gate import Gate, auth_response
 from streamkeep.auth.tokens import Principal
 from streamkeep.cluster import peers
-from streamkeep.cluster.forward import HEADER, Forwarder, as_the_client_sent, forwarded_by
+from streamkeep.cluster.forward import HEADER, STATS_SECONDS, Forwarder, as_the_client_sent, forwarded_by
 from streamkeep.cluster.peers import PeerOps, Peers
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.compaction import Compactor
@@ -56,6 +56,15 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 def alive() -> Response:
     """`/healthz`: the liveness probe, on the main port and the metrics port alike."""
     return Response(200, [("Content-Type", "text/plain"), ("Cache-Control", "no-store")], b"ok")
+
+
+def _member_stats(answer: Response | None) -> dict:
+    """Another member's /stats as /stats?cluster=1 lists it: its own, or why it is missing."""
+    if answer is None:
+        return {"error": "unreachable: no answer"}
+    if answer.status != 200 or not isinstance(answer.body, bytes):
+        return {"error": f"answered {answer.status}"}
+    return dict(json.loads(answer.body))
 
 
 def stale_placement(why: str) -> ProtocolError:
@@ -406,8 +415,9 @@ class Service:
                 self.metrics_page(),
             )
         if kind == routes.STATS:
-            if request.query("cluster")[:1] in (["1"], ["true"]) and self.forwarder is not None:
-                return await self._cluster_stats(request)
+            cluster = request.query("cluster")[:1] in (["1"], ["true"])
+            if cluster and self.forwarder is not None and HEADER not in request.headers:
+                return await self._cluster_stats(request)  # a member asking gets this member's own
             return self._stats()
         if kind == routes.ADMIN_STREAMS:
             if self.not_ready is not None:
@@ -459,9 +469,9 @@ class Service:
         """`/stats?cluster=1`: every member's /stats side by side, and their sum of the counts that
         add up; a member that does not answer is listed as unreachable."""
         assert self.forwarder is not None and self.placement is not None
-        views = await self.forwarder.stats_of(
-            [m for m in self.placement.members if m.id != self.member_id], request.headers.get("authorization")
-        )
+        others = [m for m in self.placement.members if m.id != self.member_id]
+        answers = await self.forwarder.gather(request, others, STATS_SECONDS)
+        views = {member: _member_stats(answer) for member, answer in answers.items()}
         views[self.member_id] = self.stats()
         totals = {
             key: sum(view.get(key, 0) for view in views.values() if isinstance(view.get(key), int))

@@ -36,6 +36,7 @@ CLIENT_SCHEME = "streamkeep-client-scheme"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_SKEW_SECONDS = 60
 GATHER_SECONDS = 5.0  # a member's part of a cluster-wide answer (the stream browser's list)
+STATS_SECONDS = 2.0  # a member's /stats in /stats?cluster=1
 # Hop-by-hop headers and what the edges set themselves stay behind.
 _NOT_FORWARDED = HOP_BY_HOP | {"te", "host", "content-length", ORIGINAL_HOST}
 
@@ -111,25 +112,15 @@ class Forwarder:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def stats_of(self, members: list[Member], authorization: str | None) -> dict[str, dict]:
-        """Each member's own /stats, fetched side by side (2 s each at most)."""
-        views: dict[str, dict] = {}
-
-        async def fetch(member: Member) -> None:
-            views[member.id] = await _one_stats(self._client, self.secret, self.member, member, authorization)
-
-        async with trio.open_nursery() as nursery:
-            for member in members:
-                nursery.start_soon(fetch, member)
-        return views
-
-    async def gather(self, request: Request, members: list[Member]) -> dict[str, Response | None]:
-        """`request` forwarded to each of `members` side by side (None: no answer)."""
+    async def gather(
+        self, request: Request, members: list[Member], seconds: float = GATHER_SECONDS
+    ) -> dict[str, Response | None]:
+        """`request` forwarded to each of `members` side by side (None: no answer in `seconds`)."""
         answers: dict[str, Response | None] = {}
 
         async def ask(member: Member) -> None:
             answers[member.id] = None  # unless it answers in time: a hung member is named, not waited for
-            with trio.move_on_after(GATHER_SECONDS):
+            with trio.move_on_after(seconds):
                 try:
                     answers[member.id] = await self.forward(request, member)
                 except ProtocolError:
@@ -164,19 +155,6 @@ class Forwarder:
                 await answer.aclose()
             return Response(answer.status_code, kept, b"" if request.method == "HEAD" else body)
         return Response(answer.status_code, kept, stream=_Relay(answer))
-
-
-async def _one_stats(client: httpx.AsyncClient, secret: str, me: str, member: Member, authorization: str | None) -> dict:
-    headers = {HEADER: stamp_header(secret, me, "GET", "/stats")}
-    if authorization is not None:
-        headers["authorization"] = authorization  # with auth on, /stats needs the caller's admin token
-    try:
-        answer = await client.get(f"http://{member.address}/stats", headers=headers, timeout=2.0)
-        if answer.status_code != 200:
-            return {"error": f"answered {answer.status_code}"}
-        return dict(answer.json())
-    except (httpx.HTTPError, ValueError) as error:
-        return {"error": f"unreachable: {type(error).__name__}"}
 
 
 class _Relay:
