@@ -10,7 +10,7 @@ ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
 	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
-	torture
+	torture docs
 
 venv: $(VENV_STAMP)
 
@@ -39,8 +39,20 @@ serve-cluster: $(VENV_STAMP) system-tools
 ## on memory and on disk storage, and through the front door of a 2-process cluster.
 test: lint unit conformance
 
-lint: $(VENV_STAMP)
+# ruff (the ASYNC rules among them), mypy (strict where pyproject.toml says) and the package map's
+# import contracts: a new cycle or an import climbing the layers fails here.
+lint: $(VENV_STAMP) docs
 	$(VENV)/bin/ruff check streamkeep tests ops
+	$(VENV)/bin/ruff format --check streamkeep tests ops
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+# The docs site (docs/, mkdocs.yml) into site/: --strict fails on a link to a page or heading that is
+# not there and on a page the nav leaves out. check_links judges anchors as GitHub makes them, where
+# the README (outside docs/, so mkdocs never sees it) and the pages are read too.
+docs: $(VENV_STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
+	$(PY) -m ops.check_links README.md docs/*.md
 
 # The unit tests need Node packages too: the State Protocol's reference materializer
 # (@durable-streams/state, conformance/materialize.mjs) judges compaction.
@@ -175,4 +187,4 @@ torture: $(VENV_STAMP)
 	$(PY) -m ops.torture all --total-minutes $(DURATION) --seed $(SEED)
 
 clean:
-	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache
+	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

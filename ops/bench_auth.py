@@ -49,7 +49,10 @@ def configurations(work: Path) -> dict[str, tuple[list[str], str | None]]:
         "metrics on (default)": ([], None),
         "auth HS256": (["--auth-jwt-secret", SECRET], hs),
         "auth ES256 (JWKS)": (["--auth-jwks-url", str(jwks)], es),
-        "auth ES256 + access log": (["--auth-jwks-url", str(jwks), "--access-log", str(work / "access.log")], es),
+        "auth ES256 + access log": (
+            ["--auth-jwks-url", str(jwks), "--access-log", str(work / "access.log")],
+            es,
+        ),
     }
 
 
@@ -84,7 +87,9 @@ def verification_costs() -> list[tuple[str, float]]:
             for _ in range(count):
                 verifier.clear_cache()
                 verifier.verify(token)
-            rows.append((f"{label} signature check (cache miss)", (time.perf_counter() - started) / count * 1e6))
+            rows.append(
+                (f"{label} signature check (cache miss)", (time.perf_counter() - started) / count * 1e6)
+            )
             verifier.verify(token)
             started = time.perf_counter()
             for _ in range(count * 10):
@@ -94,7 +99,9 @@ def verification_costs() -> list[tuple[str, float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one h2load run")
     parser.add_argument("--rounds", type=int, default=3, help="runs per configuration (the median is kept)")
     parser.add_argument("--json", help="also write the results here")

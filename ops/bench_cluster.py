@@ -53,7 +53,9 @@ def measure(server: ServerProcess, body: Path, h2: bool, seconds: float) -> tupl
             assert client.put(server.url + path, headers={"Content-Type": "text/plain"}).status_code == 201
     pids = children(server.process.pid)
     before = sum(cpu_seconds(pid) for pid in pids)
-    load = h2load.run(server, paths, clients=CLIENTS, body=body, content_type="text/plain", h2=h2, seconds=seconds)
+    load = h2load.run(
+        server, paths, clients=CLIENTS, body=body, content_type="text/plain", h2=h2, seconds=seconds
+    )
     used = sum(cpu_seconds(pid) for pid in pids) - before
     if load.failed or not load.ok:
         raise RuntimeError(f"{load.failed} appends failed")
@@ -61,7 +63,9 @@ def measure(server: ServerProcess, body: Path, h2: bool, seconds: float) -> tupl
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory")
     args = parser.parse_args()
@@ -88,7 +92,9 @@ def main() -> int:
         cluster = launch([*front, "--data-dir", str(work / "cluster"), *storage], timeout=60)
         try:
             for protocol, h2 in (("h1", False), ("h2c", True)):
-                rows.append(("2 processes behind HAProxy", protocol, *measure(cluster, body, h2, args.seconds)))
+                rows.append(
+                    ("2 processes behind HAProxy", protocol, *measure(cluster, body, h2, args.seconds))
+                )
         finally:
             cluster.stop()
     print(
@@ -103,8 +109,12 @@ def main() -> int:
         print(f"| {setup} | {protocol} | {rate:,.0f} | {cpu:,.0f} us | {16e6 / cpu:,.0f}/s |")
     by = {(setup, protocol): rate for setup, protocol, rate, _ in rows}
     front_h1, front_h2 = by[("2 processes behind HAProxy", "h1")], by[("2 processes behind HAProxy", "h2c")]
-    print(f"\nh2c through the front door / h1 through the front door: {front_h2 / front_h1:.2f}x (target 0.9x)")
-    print(f"front door (2 processes) / 1 process direct, h1: {front_h1 / by[('1 process, direct', 'h1')]:.2f}x")
+    print(
+        f"\nh2c through the front door / h1 through the front door: {front_h2 / front_h1:.2f}x (target 0.9x)"
+    )
+    print(
+        f"front door (2 processes) / 1 process direct, h1: {front_h1 / by[('1 process, direct', 'h1')]:.2f}x"
+    )
     return 0
 
 

@@ -41,7 +41,11 @@ def fill(url: str, target: int, keys: int) -> int:
             size = 0
             while size < (1 << 20):
                 op = rng.choices(["insert", "update", "delete"], [3, 6, 1])[0]
-                message: dict = {"type": "item", "key": f"k{rng.randrange(keys)}", "headers": {"operation": op}}
+                message: dict = {
+                    "type": "item",
+                    "key": f"k{rng.randrange(keys)}",
+                    "headers": {"operation": op},
+                }
                 if op != "delete":
                     message["value"] = {"n": n, "pad": padding}
                 encoded = json.dumps(message)
@@ -71,7 +75,9 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--keys", type=int, default=100_000)
     args = parser.parse_args()
@@ -104,7 +110,10 @@ def main() -> int:
                     peak[0] = max(peak[0], rss_bytes(server.process.pid))
                     time.sleep(0.05)
 
-            samplers = [threading.Thread(target=sample), threading.Thread(target=latencies, args=(other, stop, during))]
+            samplers = [
+                threading.Thread(target=sample),
+                threading.Thread(target=latencies, args=(other, stop, during)),
+            ]
             for thread in samplers:
                 thread.start()
             started = time.monotonic()
@@ -120,10 +129,14 @@ def main() -> int:
             report = json.loads(result.stdout)
         finally:
             server.stop()
-    print(f"\ncompaction of a {args.gib:g} GiB State Protocol stream ({messages:,} messages, {args.keys:,} keys)\n")
+    print(
+        f"\ncompaction of a {args.gib:g} GiB State Protocol stream ({messages:,} messages, {args.keys:,} keys)\n"
+    )
     print("| measure | value |\n|---|---|")
     print(f"| compaction time (streamkeep compact, wall) | {seconds:.1f} s |")
-    print(f"| history folded | {report['history_bytes'] / (1 << 20):,.0f} MiB, {report['messages_folded']:,} messages |")
+    print(
+        f"| history folded | {report['history_bytes'] / (1 << 20):,.0f} MiB, {report['messages_folded']:,} messages |"
+    )
     print(f"| snapshot | {report['snapshot_bytes'] / (1 << 20):,.1f} MiB, {report['keys']:,} keys |")
     print(f"| server RSS idle before / peak during | {rss_idle >> 20} MiB / {peak[0] >> 20} MiB |")
     print(f"| other stream's appends before: p50 / p99 / max | {percentile(before, .5):.2f} / "

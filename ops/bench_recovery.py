@@ -16,7 +16,7 @@ import trio
 
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.storage.base import AppendRecord, ByteBudget
-from streamkeep.storage.disk import DiskStorage
+from streamkeep.storage.disk.storage import DiskStorage
 
 
 def budget() -> ByteBudget:

@@ -48,13 +48,14 @@ The event loop itself is seldom caught waiting (1-2 % of its samples): under thi
 epoll with a zero timeout while tasks are runnable.
 
 Without `--native` C code has no frames of its own: llhttp's parsing is `RequestReader.feed`'s self
-time (streamkeep/http/h1.py), and a syscall is its Python caller's: the edge reads and writes plain
-TCP sockets itself (`streamkeep/http/sockets.py`, lean.py's `_send`, lean_h2.py's `receive` and
-`write_queued`), which the rules name as socket I/O, as they do trio's socket methods. The top list
-ranks functions by that self time (the innermost frame), in µs per append.
+time (streamkeep/http/h1_parser.py), and a syscall is its Python caller's: the edge reads and writes
+plain TCP sockets itself (`streamkeep/http/sockets.py`, h1_connection.py's `_send`,
+h2_connection.py's `receive` and `write_queued`), which the rules name as socket I/O, as they do
+trio's socket methods. The top list ranks functions by that self time (the innermost frame), in µs
+per append.
 
 The figures are for one machine at one moment: compare columns of the same run, or runs taken the
-same way (docs/architecture.md keeps the budget table, before and after optimisations).
+same way (docs/benchmarks.md keeps the budget table, before and after optimisations).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ EMPTY = "no frames"
 @dataclass(frozen=True)
 class Frame:
     function: str  # py-spy's name: the qualified name on 3.11+ ("StreamActor.call")
-    file: str  # py-spy's short file name ("streamkeep/service.py", "trio/_core/_run.py")
+    file: str  # py-spy's short file name ("streamkeep/server/service.py", "trio/_core/_run.py")
     line: int | None = None
 
 
@@ -157,30 +158,31 @@ RULES: tuple[Rule, ...] = (
     # The edge reads and writes plain TCP sockets itself (os.read, os.write): without --native a
     # syscall's time is its caller's self time.
     Rule(SOCKET, "streamkeep/http/sockets.py", ("receive", "write_now")),
-    Rule(SOCKET, "streamkeep/http/lean.py", ("_send", "ChunkedPush.write")),
-    Rule(SOCKET, "streamkeep/http/lean_h2.py", ("_H2Connection.receive", "_H2Connection.write_queued")),
-    Rule(HTTP1, "streamkeep/http/lean.py", ("_encode", "_head", "_head.*", "_header_line", "reason")),
-    Rule(HANDOFF, "streamkeep/actors/stream_actor.py", _MAILBOX),
-    Rule(PUBLISH, "streamkeep/actors/stream_actor.py", ("StreamActor._notify",)),
+    Rule(SOCKET, "streamkeep/http/h1_connection.py", ("_send", "ChunkedPush.write")),
+    Rule(SOCKET, "streamkeep/http/h2_connection.py", ("_H2Connection.receive", "_H2Connection.write_queued")),
+    Rule(HANDOFF, "streamkeep/actors/actor.py", _MAILBOX),
+    Rule(PUBLISH, "streamkeep/actors/stream_ops.py", ("StreamOps._notify",)),
     Rule(HEADERS, "streamkeep/protocol/stream.py", ("*.from_request", "*.from_headers")),
     Rule(RESPONSE, "streamkeep/protocol/stream.py", ("AppendOutcome.headers",)),
     Rule(HEADERS, "streamkeep/protocol/model.py", ("Headers.*",)),
     Rule(RESPONSE, "streamkeep/protocol/model.py", ("Response.*",)),
     Rule(RESPONSE, "streamkeep/protocol/offsets.py", ("encode",)),  # Stream-Next-Offset
-    Rule(ROUTING, "streamkeep/service.py", ("Service._route",)),
+    Rule(ROUTING, "streamkeep/server/service.py", ("Service._dispatch",)),
     Rule(ROUTING, "streamkeep/registry/entries.py", ("refuse_writes",)),  # a check of every write
     # -- the edge --
-    Rule(HTTP1, "streamkeep/http/h1.py"),
+    Rule(HTTP1, "streamkeep/http/h1_parser.py"),
+    Rule(HTTP1, "streamkeep/http/h1_writer.py"),
+    Rule(HTTP1, "streamkeep/http/reasons.py"),  # status lines are cached: seldom seen
     Rule(HTTP1, "httptools/*"),
-    Rule(HTTP2, "streamkeep/http/lean_h2.py"),
+    Rule(HTTP2, "streamkeep/http/h2_connection.py"),
     Rule(HTTP2, "h2/*"),
     Rule(HTTP2, "hpack/*"),
     Rule(HTTP2, "hyperframe/*"),
     Rule(HTTP2, "streamkeep/http/h2_*.py"),  # the edge's own request checks and response encoder
-    Rule(GLUE, "streamkeep/http/*"),  # lean.py, edge.py, budget.py
+    Rule(GLUE, "streamkeep/http/*"),  # accept.py, h1_connection.py, edge.py, budget.py
     Rule(GLUE, "streamkeep/protocol/model.py"),  # Request
     # -- the service --
-    Rule(ROUTING, "streamkeep/routes.py"),
+    Rule(ROUTING, "streamkeep/protocol/routes.py"),
     Rule(ROUTING, "streamkeep/protocol/names.py"),
     Rule(AUTH, "streamkeep/auth/*"),
     Rule(HEADERS, "streamkeep/protocol/headers.py"),
@@ -188,16 +190,17 @@ RULES: tuple[Rule, ...] = (
     Rule(HANDOFF, "streamkeep/actors/mailbox.py"),
     Rule(HANDOFF, "streamkeep/actors/supervisor.py"),
     Rule(HANDOFF, "trio/_channel.py"),  # the mailbox is a trio memory channel
-    Rule(PLANNING, "streamkeep/actors/*"),  # StreamActor.append/_existing, PendingAppend
+    Rule(PLANNING, "streamkeep/actors/*"),  # StreamOps.append_now/_existing, PendingAppend
     Rule(PLANNING, "streamkeep/protocol/stream.py"),  # plan_append, apply_append, copy_meta
     Rule(PLANNING, "streamkeep/protocol/jsonmode.py"),
     Rule(STORAGE, "streamkeep/storage/*"),
-    Rule(PUBLISH, "streamkeep/live.py"),
+    Rule(PUBLISH, "streamkeep/server/fanout.py"),
+    Rule(PUBLISH, "streamkeep/server/live.py"),
     Rule(PUBLISH, "streamkeep/subscriptions/*"),
     Rule(PUBLISH, "streamkeep/registry/*"),
     Rule(METRICS, "streamkeep/telemetry/*"),
     Rule(RESPONSE, "streamkeep/protocol/*"),  # responses.py, cors.py, errors.py
-    Rule(RESPONSE, "streamkeep/service.py"),  # Service.handle, Service._append
+    Rule(RESPONSE, "streamkeep/server/*"),  # Service.handle, Service._append, Finish.finish
     # -- the runtime --
     Rule(SOCKET, "trio/_socket.py"),
     Rule(SOCKET, "trio/_highlevel_socket.py"),
@@ -228,7 +231,7 @@ KERNEL_RULES: tuple[Rule, ...] = (
     Rule(THREADS, "trio/_core/_wakeup_socketpair.py", ("WakeupSocketpair.wakeup_thread_and_signal_safe",)),
     # A futex wake; naming the worker thread for each job (prctl, through ctypes).
     Rule(THREADS, "trio/_core/_thread_cache.py", ("ThreadCache.start_thread_soon", "*.namefunc")),
-    Rule(STORAGE, "streamkeep/storage/writer.py", ("SegmentWriter.write",)),  # fdatasync, fsync
+    Rule(STORAGE, "streamkeep/storage/disk/writer.py", ("SegmentWriter.write",)),  # fdatasync, fsync
     Rule(STORAGE, "streamkeep/storage/files.py", ("pwrite_all", "write_all", "fsync_dir")),
 )
 

@@ -92,7 +92,9 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
     if any("error" in view for view in members.values()):
         print("conformance: a member did not answer /stats", file=sys.stderr)
         return 1
-    if not all(c["forks_of_its_streams_elsewhere"] and c["inherited_reads_from_elsewhere"] for c in crossed.values()):
+    if not all(
+        c["forks_of_its_streams_elsewhere"] and c["inherited_reads_from_elsewhere"] for c in crossed.values()
+    ):
         print("conformance: forks did not cross members both ways", file=sys.stderr)
         return 1
     if http2:
@@ -100,7 +102,10 @@ def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2
         for c in crossed.values():
             spoken.update(c["client_http_versions"])
         if spoken.get("2.0", 0) < 1000 or spoken.get("1.1", 0) > STATS_ASKED[0]:
-            print(f"conformance: the suite did not reach the front door over HTTP/2: {dict(spoken)}", file=sys.stderr)
+            print(
+                f"conformance: the suite did not reach the front door over HTTP/2: {dict(spoken)}",
+                file=sys.stderr,
+            )
             return 1
     return 0
 
@@ -172,14 +177,18 @@ def main() -> int:
         else:
             server = start(*server_args)
         mode = (
-            "HTTPS + HTTP/2" if args.tls_h2 else "HTTP/1.1"
-        ) + f", {args.storage} storage, {args.edge} edge" + (", auth on (admin token)" if args.auth else "")
+            ("HTTPS + HTTP/2" if args.tls_h2 else "HTTP/1.1")
+            + f", {args.storage} storage, {args.edge} edge"
+            + (", auth on (admin token)" if args.auth else "")
+        )
         print(f"conformance: {mode} against {server.url}", flush=True)
         try:
             env["CONFORMANCE_SUBSCRIPTIONS"] = "1"
             env["CONFORMANCE_TEST_URL"] = server.url
             vitest = ["npx", "vitest", "run", "--config", "vitest.config.mjs"]
-            result = subprocess.run([*vitest, *(["-t", args.filter] if args.filter else [])], cwd=SUITE_DIR, env=env)
+            result = subprocess.run(
+                [*vitest, *(["-t", args.filter] if args.filter else [])], cwd=SUITE_DIR, env=env
+            )
             if args.tls_h2 and result.returncode == 0 and not args.cluster:
                 result.returncode = check_http2_was_used(
                     server.url, Path(tmp) / "ca.pem", env.get("CONFORMANCE_AUTH_TOKEN")
@@ -197,7 +206,10 @@ def main() -> int:
                     result = subprocess.run([*vitest, "-t", SUBSCRIPTION_TESTS], cwd=SUITE_DIR, env=env)
                 else:
                     if not subscriptions_crossed(server.url, ca_path, token):
-                        print("conformance: no subscription followed a stream on another member", file=sys.stderr)
+                        print(
+                            "conformance: no subscription followed a stream on another member",
+                            file=sys.stderr,
+                        )
                         result.returncode = 1
             if args.cluster and result.returncode == 0 and not args.filter:
                 result.returncode = check_crossed_members(
@@ -208,7 +220,9 @@ def main() -> int:
                 )
             if args.auth and result.returncode == 0:
                 ca_path = Path(tmp) / "ca.pem" if args.tls_h2 else None
-                refusals = server_stats(server.url, ca_path, env["CONFORMANCE_AUTH_TOKEN"])["auth"]["refusals"]
+                refusals = server_stats(server.url, ca_path, env["CONFORMANCE_AUTH_TOKEN"])["auth"][
+                    "refusals"
+                ]
                 print(f"conformance: auth refusals: {refusals}")
         finally:
             code = server.stop()

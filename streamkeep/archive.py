@@ -1,7 +1,7 @@
 """`streamkeep archive status|verify`: what of each stream is local and what is cold, checked
 against the bucket, without a running server (and safe beside one).
 
-Retention (storage/retention.py) moves a stream's floor; what ends at or before it is retained
+Retention (storage/disk/retention.py) moves a stream's floor; what ends at or before it is retained
 away. `status` counts only retained segments and shows the floor; segments still there below it
 (pinned by a fork, or a drop under way) are counted apart. A drop takes a segment out of the
 manifest before anything else, so `verify` never checks a dropped segment's object: an object left
@@ -19,11 +19,12 @@ from urllib.parse import unquote
 
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.segments import layout
-from streamkeep.storage import files, manifest
-from streamkeep.storage import floor as floors
-from streamkeep.storage.coldstore import ColdConfig, S3Store
-from streamkeep.storage.directory import DataDirectory
-from streamkeep.storage.meta import decode_meta
+from streamkeep.storage import files
+from streamkeep.storage.cold.store import ColdConfig, S3Store
+from streamkeep.storage.disk import floor as floors
+from streamkeep.storage.disk import manifest
+from streamkeep.storage.disk.directory import DataDirectory
+from streamkeep.storage.disk.meta import decode_meta
 
 DEFAULT_ORPHAN_MIN_AGE = 3600.0
 

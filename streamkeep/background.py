@@ -1,4 +1,4 @@
-"""Background loops that never end the server.
+"""Background loops that never end the server, and the one backoff every retry waits by.
 
 Every long-running task the server starts (the committer, the archiver, interval syncs, the TTL
 sweep, subscription drivers) runs under `supervised`: if it raises, the failure is logged once per
@@ -19,8 +19,38 @@ MIN_BACKOFF = 1.0
 MAX_BACKOFF = 60.0
 
 
+class Backoff:
+    """Waits between retries: `first` seconds doubling up to `most`, each stretched or shrunk at
+    random by up to `jitter` (a fraction) so that what failed together does not retry together.
+    `failed()` counts a failure and returns the wait before the next try; `reset()` after one
+    that worked. `delay(n)` is the wait after the n-th failure in a row, for callers that keep
+    the count themselves (saved with a subscription, say)."""
+
+    __slots__ = ("failures", "first", "jitter", "most")
+
+    def __init__(self, first: float = MIN_BACKOFF, most: float = MAX_BACKOFF, *, jitter: float = 0.2) -> None:
+        self.first = first
+        self.most = most
+        self.jitter = jitter
+        self.failures = 0
+
+    def delay(self, failures: int) -> float:
+        # The exponent is capped: a count that grows for days must not overflow a float.
+        wait = min(self.most, self.first * 2.0 ** min(max(failures, 1) - 1, 62))
+        if self.jitter:
+            wait *= random.uniform(1 - self.jitter, 1 + self.jitter)
+        return wait
+
+    def failed(self) -> float:
+        self.failures += 1
+        return self.delay(self.failures)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
 async def supervised(name: str, loop: Callable[[], Awaitable[object]], health: Health) -> None:
-    delay = MIN_BACKOFF
+    backoff = Backoff()
     while True:
         started = trio.current_time()
         try:
@@ -29,6 +59,5 @@ async def supervised(name: str, loop: Callable[[], Awaitable[object]], health: H
         except Exception as error:
             health.failed(f"{name} ({type(error).__name__})", f"{error!r}; restarting it", traceback=error)
         if trio.current_time() - started > MAX_BACKOFF:
-            delay = MIN_BACKOFF  # it ran well for a while: this is a new failure, not a crash loop
-        await trio.sleep(delay * random.uniform(0.8, 1.2))
-        delay = min(MAX_BACKOFF, delay * 2)
+            backoff.reset()  # it ran well for a while: this is a new failure, not a crash loop
+        await trio.sleep(backoff.failed())

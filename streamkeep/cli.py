@@ -4,10 +4,37 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
+from collections.abc import Callable
+from types import SimpleNamespace
 
 from streamkeep import __version__, config
+
+# What --help shows for a value, where the setting's name says less.
+_METAVARS: dict[object, str] = {
+    config.duration: "DURATION",
+    config.duration_or_off: "DURATION",
+    config.byte_size: "SIZE",
+}
+
+
+def _metavar(setting: config.Setting) -> str:
+    named = setting.name.split("_")[-1].upper()
+    if named == "SIZE":  # --mailbox-size counts messages: SIZE is the syntax of bytes
+        named = "COUNT"
+    return _METAVARS.get(setting.parse, named)
+
+
+def _flag_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """`parse` as an argparse type, refusing a bad value the way the settings do."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{text!r} {error}") from None
+
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,14 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Run the server. Every option can also be set in the TOML file given by --config "
             "(e.g. [server] port = 4437) or by an environment variable (e.g. DS_SERVER__PORT=4437); "
-            "flags win over variables, variables over the file."
+            "flags win over variables, variables over the file. Durations are "
+            f"{config.DURATION_SYNTAX}; sizes are {config.SIZE_SYNTAX}."
         ),
         epilog=(
             "Auth is off unless --auth-jwt-secret or --auth-jwks-url is given; then every request "
             "needs Authorization: Bearer <jwt> (or ?token=<jwt> on a GET, for EventSource) whose scope "
             "claim grants read:<glob>, append:<glob>, write:<glob> or admin on the stream name. "
             "`streamkeep sign STREAM --ttl 1h` prints a signed read link. /metrics (Prometheus), "
-            "/healthz (liveness) and /readyz (readiness) are described in the README's "
+            "/healthz (liveness) and /readyz (readiness) are described in docs/operations.md, "
             "'Running in production'."
         ),
     )
@@ -49,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(
             setting.cli_flag,
             dest=config.cli_dest(setting),
-            metavar=setting.name.split("_")[-1].upper(),
+            metavar=_metavar(setting),
             default=None,
             help=described,
         )
@@ -77,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     archive.add_argument(
         "--orphan-min-age",
-        type=float,
+        type=_flag_type(config.duration_or_off),
         default=3600.0,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="with verify: an object of a live stream that no manifest lists yet counts as an orphan "
         "only once this old (a running server may be uploading it)",
     )
@@ -102,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         "with the last four keys keep working).",
     )
     sign.add_argument("stream", nargs="?", help="the stream's name, as in /v1/stream/NAME (decoded)")
-    sign.add_argument("--ttl", default="1h", help="how long the link works: 90s, 15m, 1h, 7d (default 1h)")
+    sign.add_argument(
+        "--ttl", default="1h", help="how long the link works: 90s, 15m, 1h, 7d, 2w (default 1h)"
+    )
     sign.add_argument(
         "--base-url",
         default=None,
@@ -116,13 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         "compact",
         help="compact a State Protocol stream on a running server (append a snapshot, move the floor)",
         description="Asks the server at BASE_URL to fold STREAM's State Protocol messages into a "
-        "snapshot appended to it, then move the stream's floor to the snapshot (docs: README, "
+        "snapshot appended to it, then move the stream's floor to the snapshot (docs/retention.md, "
         "'Compaction'). Prints progress while it runs and the result as JSON. With auth on, the "
         "token needs the admin scope.",
     )
     compact.add_argument("base_url", help="the server, e.g. http://127.0.0.1:4437")
     compact.add_argument("stream", help="the stream's name, as in /v1/stream/NAME (decoded)")
-    compact.add_argument("--token", default=None, help="a bearer token with the admin scope (or $STREAMKEEP_TOKEN)")
+    compact.add_argument(
+        "--token", default=None, help="a bearer token with the admin scope (or $STREAMKEEP_TOKEN)"
+    )
     compact.add_argument(
         "--drop-invalid",
         action="store_true",
@@ -147,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     haproxy.add_argument("--out", metavar="DIR", default=".", help="where to write the two files")
     haproxy.add_argument("--bind", default="127.0.0.1", help="address HAProxy listens on")
     haproxy.add_argument("--port", type=int, default=8080, help="port HAProxy listens on")
-    haproxy.add_argument("--tls-cert", default=None, help="a PEM holding certificate and key: TLS with ALPN h2")
+    haproxy.add_argument(
+        "--tls-cert", default=None, help="a PEM holding certificate and key: TLS with ALPN h2"
+    )
     run = cluster_commands.add_parser(
         "run",
         help="run N processes on this machine behind HAProxy (development)",
@@ -176,11 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_ttl(text: str) -> int:
-    """Seconds from `90`, `90s`, `15m`, `1h` or `7d`: a whole number, with config's units."""
-    value = text.strip().lower()
-    if not re.fullmatch(r"\d+[smhd]?", value) or int(value.rstrip("smhd")) <= 0:
-        raise ValueError(f"--ttl {text!r}: expected a duration like 90s, 15m, 1h or 7d")
-    return int(config.duration(value))
+    """Whole seconds, at least 1, from a duration in the settings' syntax (`90`, `15m`, `7d`)."""
+    try:
+        seconds = config.duration(text)
+    except ValueError as error:
+        raise ValueError(f"--ttl {text!r} {error}") from None
+    if seconds < 1:
+        raise ValueError(f"--ttl {text!r} is shorter than the 1 s a link lasts at least")
+    return int(seconds)
 
 
 def _sign(args: argparse.Namespace) -> int:
@@ -216,8 +253,11 @@ def _sign(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        keys = links.LinkKeys.rotate(data_dir / setup.LINK_KEYS_FILE)
-        print(f"new signing key {keys.current}; restart the server (or servers) to sign and accept it", file=sys.stderr)
+        rotated = links.LinkKeys.rotate(data_dir / setup.LINK_KEYS_FILE)
+        print(
+            f"new signing key {rotated.current}; restart the server (or servers) to sign and accept it",
+            file=sys.stderr,
+        )
         if not args.stream:
             return 0
     if not args.stream:
@@ -259,7 +299,9 @@ def _compact(args: argparse.Namespace) -> int:
     url = f"{args.base_url.rstrip('/')}/v1/compact/{quote(args.stream, safe='/')}"
     params = {"drop_invalid": "true"} if args.drop_invalid else {}
     try:
-        with httpx.stream("POST", url, headers=headers, params=params, timeout=httpx.Timeout(30, read=None)) as answer:
+        with httpx.stream(
+            "POST", url, headers=headers, params=params, timeout=httpx.Timeout(30, read=None)
+        ) as answer:
             if answer.status_code != 200:
                 answer.read()
                 print(f"streamkeep compact: {answer.status_code}: {_message(answer.text)}", file=sys.stderr)
@@ -295,7 +337,7 @@ def _message(text: str) -> str:
         return text[:300]
 
 
-def _default_base_url(settings) -> str:  # type: ignore[no-untyped-def]
+def _default_base_url(settings: SimpleNamespace) -> str:
     scheme = "https" if settings.tls.cert else "http"
     host = settings.server.host
     if host in ("0.0.0.0", "::", ""):
@@ -305,7 +347,7 @@ def _default_base_url(settings) -> str:  # type: ignore[no-untyped-def]
     return f"{scheme}://{host}:{settings.server.port}"
 
 
-def _offline_settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _offline_settings(args: argparse.Namespace) -> SimpleNamespace:
     cli = {
         "storage_data_dir": args.storage_data_dir,
         "cold_url": args.cold_url,
@@ -331,9 +373,10 @@ def _archive(args: argparse.Namespace) -> int:
 def _migrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from streamkeep.storage import files, migrate
-    from streamkeep.storage.coldstore import ColdConfig, S3Store
-    from streamkeep.storage.directory import FormatError
+    from streamkeep.storage import files
+    from streamkeep.storage.cold import migrate
+    from streamkeep.storage.cold.store import ColdConfig, S3Store
+    from streamkeep.storage.disk.directory import FormatError
 
     try:
         settings = _offline_settings(args)
@@ -395,22 +438,22 @@ def main(argv: list[str] | None = None) -> int:
 
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
-    from streamkeep.http.server import run
-    from streamkeep.storage.directory import FormatError
+    from streamkeep.assemble import run
+    from streamkeep.storage.disk.directory import FormatError
     from streamkeep.subscriptions.signing import KeyFileError
 
     try:
         run(settings)
     except BaseException as raised:  # trio wraps what ends the run in exception groups
-        error = _first(raised, (FormatError, KeyFileError, OSError))
-        if error is None:
+        cause = _first(raised, (FormatError, KeyFileError, OSError))
+        if cause is None:
             raise
-        if isinstance(error, FormatError | KeyFileError):
-            print(f"streamkeep: {error}", file=sys.stderr)
+        if isinstance(cause, FormatError | KeyFileError):
+            print(f"streamkeep: {cause}", file=sys.stderr)
         else:
             print(
                 f"streamkeep: cannot serve on {settings.server.host}:{settings.server.port} "
-                f"(or open {settings.storage.data_dir}): {error}",
+                f"(or open {settings.storage.data_dir}): {cause}",
                 file=sys.stderr,
             )
         return 1

@@ -6,8 +6,8 @@ Bytes at an offset never change, so a stream of change messages is compacted by 
    sees when it starts, reading like any reader, outside the actor;
 2. the stream's actor folds the few messages that came meanwhile and appends the snapshot
    (`snapshot-start`, one `insert` per live type/key, `snapshot-end`) as one record starting a new
-   segment (StreamActor.compact): nothing can be appended between the state it reflects and its
-   position;
+   segment (the `Compact` message, actors/folding.py `append_snapshot`): nothing can be appended
+   between the state it reflects and its position;
 3. once that record is durable, the floor moves to the snapshot's start (DiskLog.raise_floor),
    and retention deletes what is below it when no fork reads it.
 
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from streamkeep.actors.stream_actor import check_compactable, fold_range
+from streamkeep.actors.folding import check_compactable, fold_range, snapshot_log
+from streamkeep.actors.messages import Compact
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, not_found
@@ -90,8 +91,7 @@ class Compactor:
         if stream_log is None or stream_log.meta.soft_deleted:
             raise not_found(name)
         check_compactable(stream_log)
-        if not hasattr(stream_log, "fresh_segment"):
-            raise ProtocolError(409, "compaction_needs_disk", "compaction needs disk storage (--storage disk)")
+        snapshot_log(stream_log)
         progress = self.running[name] = Progress(name)
         self.nursery.start_soon(self._run, progress, drop_invalid)
         return progress
@@ -157,6 +157,7 @@ class Compactor:
         position = floor_before
         target = stream_log.published_tail
         progress.target_bytes = target - floor_before
+
         def folded(at: int) -> None:
             progress.folded_bytes = at - floor_before
 
@@ -165,11 +166,12 @@ class Compactor:
             slice_seconds=SLICE_SECONDS, progress=folded,
         )  # fmt: skip
         progress.phase = "appending"
-        commit, start, stream_log = await self.supervisor.call(name, "compact", fold, position, READ_CHUNK, stream_id)
-        end = await commit.wait()  # durable: only now may readers be sent to it
-        await stream_log.raise_floor(start, snapshot_end=end)
+        snapshot = await self.supervisor.call(name, Compact(fold, position, READ_CHUNK, stream_id))
+        start = snapshot.start
+        end = await snapshot.commit.wait()  # durable: only now may readers be sent to it
+        await snapshot.log.raise_floor(start, snapshot_end=end)
         self.dropped_messages += fold.dropped
-        incarnation = stream_log.meta.incarnation
+        incarnation = snapshot.log.meta.incarnation
         return {
             "stream": name,
             "snapshot_offset": offsets.encode(start, incarnation),

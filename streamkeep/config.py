@@ -21,25 +21,54 @@ class ConfigError(Exception):
     pass
 
 
-_SIZE = re.compile(r"(?i)\s*(\d+)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib)?\s*")
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+# One syntax for every size and every duration, whichever layer a value comes from. A number in
+# TOML is taken as it is; text is a plain number or a number with a unit.
+SIZE_SYNTAX = "bytes or 256KiB, 64MiB, 1GiB, 1TiB"
+DURATION_SYNTAX = "seconds or 500ms, 90s, 15m, 12h, 7d, 2w"
+
+# K, KB and KiB all mean 1024: sizes have always been binary here, whichever spelling was used.
+_SIZE = re.compile(r"(?i)\s*(\d+)\s*(b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)?\s*")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DURATION = re.compile(r"(?i)\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|w)?\s*")
+_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 
 
 def byte_size(value: Any) -> int:
+    """Bytes from a whole number or `256KiB`, `64MiB`, `1GiB`, `1TiB`."""
     if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"is not a size; use {SIZE_SYNTAX}")
         return value
-    match = _SIZE.fullmatch(str(value))
+    match = _SIZE.fullmatch(str(value)) if isinstance(value, str) else None
     if not match:
-        raise ValueError("expected a size such as 1048576, 64MiB or 1GiB")
-    unit = (match.group(2) or "").lower()[:1]
-    return int(match.group(1)) * _UNITS[unit]
+        raise ValueError(f"is not a size; use {SIZE_SYNTAX}")
+    return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()[:1]]
 
 
-def seconds(value: Any) -> float:
-    number = float(value)
-    if not number > 0 or number != number or number == float("inf"):
-        raise ValueError("expected a positive number of seconds")
+def _seconds(value: Any, off: str) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        match = _DURATION.fullmatch(value) if isinstance(value, str) else None
+        if not match:
+            raise ValueError(f"is not a duration; use {off}{DURATION_SYNTAX}")
+        number = float(match.group(1)) * _DURATION_UNITS[(match.group(2) or "").lower()]
+    if not 0 <= number < float("inf"):  # also refuses NaN
+        raise ValueError(f"is not a duration; use {off}{DURATION_SYNTAX}")
     return number
+
+
+def duration(value: Any) -> float:
+    """Seconds, more than 0, from a number or `500ms`, `90s`, `15m`, `12h`, `7d`, `2w`."""
+    number = _seconds(value, "")
+    if number == 0:
+        raise ValueError(f"is not a positive duration; use {DURATION_SYNTAX}")
+    return number
+
+
+def duration_or_off(value: Any) -> float:
+    """As `duration`, where 0 turns the setting off."""
+    return _seconds(value, "0 (off), ")
 
 
 def boolean(value: Any) -> bool:
@@ -50,44 +79,43 @@ def boolean(value: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError("expected true or false")
+    raise ValueError("is not a boolean; use true or false (or 1, 0, yes, no, on, off)")
 
 
-def seconds_or_zero(value: Any) -> float:
-    number = float(value)
-    if not number >= 0 or number == float("inf"):
-        raise ValueError("expected 0 (off) or a positive number of seconds")
-    return number
+def _whole(value: Any, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*", value, re.ASCII):
+        return int(value)
+    raise ValueError(f"is not {what}")
 
 
 def positive_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError("expected a whole number")
-    number = int(value)
+    number = _whole(value, "a whole number of at least 1")
     if number < 1:
-        raise ValueError("expected a whole number of at least 1")
+        raise ValueError("is not a whole number of at least 1")
     return number
 
 
 def port(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError("expected a port number")
-    number = int(value)
+    number = _whole(value, "a port; use 0 to 65535 (0 picks a free one)")
     if not 0 <= number <= 65535:
-        raise ValueError("expected a port from 0 to 65535 (0 picks a free one)")
+        raise ValueError("is not a port; use 0 to 65535 (0 picks a free one)")
     return number
 
 
 def text(value: Any) -> str:
     if not isinstance(value, str):
-        raise ValueError("expected a string")
+        raise ValueError("is not a string")
     return value
 
 
 def one_of(*choices: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}")
+            raise ValueError(f"is not one of {', '.join(choices)}")
         return str(value)
 
     return check
@@ -97,15 +125,18 @@ def s3_url(value: Any) -> str:
     text_value = str(value)
     if text_value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?", text_value):
         raise ValueError(
-            "expected s3://BUCKET or s3://BUCKET/PREFIX (bucket names: lower-case, digits, dots, dashes)"
+            "is not s3://BUCKET or s3://BUCKET/PREFIX (bucket names: lower-case, digits, dots, dashes)"
         )
     return text_value
 
 
 def non_negative(value: Any) -> float:
-    number = float(value)
-    if not number >= 0 or number == float("inf"):
-        raise ValueError("expected 0 (off) or a positive number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = -1.0
+    if isinstance(value, bool) or not 0 <= number < float("inf"):
+        raise ValueError("is not 0 (off) or a positive number")
     return number
 
 
@@ -118,12 +149,12 @@ def optional_port(value: Any) -> int | None:
 def cors_origins(value: Any) -> str:
     origins = [origin.strip() for origin in str(value).split(",") if origin.strip()]
     if not origins:
-        raise ValueError("expected * or a comma-separated list of origins like https://app.example.com")
+        raise ValueError("is not * or a comma-separated list of origins like https://app.example.com")
     if "*" in origins and len(origins) > 1:
-        raise ValueError("* allows every origin: give * alone or a list of origins")
+        raise ValueError("mixes * with origins: * allows every origin, so give * alone or a list of origins")
     for origin in origins:
         if origin != "*" and not re.fullmatch(r"https?://[^/\s,]+", origin):
-            raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], no path)")
+            raise ValueError(f"holds {origin!r}, which is not an origin (scheme://host[:port], no path)")
     return ",".join(origins)
 
 
@@ -132,34 +163,16 @@ def jwks_location(value: Any) -> str:
     if not location or location.startswith("https://"):
         return location
     if "://" in location:
-        raise ValueError("expected an https:// URL or a local file path (keys fetched over plain http can be forged)")
+        raise ValueError(
+            "is not an https:// URL or a local file path (keys fetched over plain http can be forged)"
+        )
     return location
-
-
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def duration(value: Any) -> float:
-    """Seconds from a number or `90s`, `15m`, `12h`, `7d`, `2w`; 0 is off."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-    else:
-        text_value = str(value).strip().lower()
-        unit = text_value[-1:] if text_value[-1:] in _DURATION_UNITS else "s"
-        digits = text_value[:-1] if text_value[-1:] in _DURATION_UNITS else text_value
-        try:
-            number = float(digits) * _DURATION_UNITS[unit]
-        except ValueError:
-            raise ValueError("expected a duration like 3600, 90s, 15m, 12h or 7d") from None
-    if not number >= 0 or number == float("inf"):
-        raise ValueError("expected 0 (off) or a positive duration")
-    return number
 
 
 def existing_file(value: Any) -> str:
     path = Path(str(value)).expanduser()
     if not path.is_file():
-        raise ValueError(f"no readable file at {path}")
+        raise ValueError(f"names no readable file ({path})")
     return str(path)
 
 
@@ -191,45 +204,45 @@ SETTINGS: tuple[Setting, ...] = (
         "edge",
         one_of("lean", "quart"),
         "lean",
-        "HTTP edge: lean (trio driving h11/h2 directly, fastest) or quart (quart-trio on hypercorn)",
+        "HTTP edge: lean (trio driving llhttp and h2 directly, fastest) or quart (quart-trio on hypercorn)",
         flag="--edge",
     ),
     Setting(
         "server",
         "long_poll_timeout",
-        seconds,
+        duration,
         30.0,
-        "seconds a long-poll waits for data before answering 204",
+        "how long a long-poll waits for data before answering 204",
         aliases=("DS_SERVER__LONG_POLL_TIMEOUT_SECS",),
     ),
     Setting(
         "server",
         "sse_close_after",
-        seconds,
+        duration,
         60.0,
-        "seconds after which an SSE response ends so clients reconnect (CDN collapsing)",
+        "how long after its start an SSE response ends so clients reconnect (CDN collapsing)",
         aliases=("DS_SERVER__SSE_RECONNECT_INTERVAL_SECS",),
     ),
     Setting(
         "server",
         "send_stall_timeout",
-        seconds,
+        duration,
         30.0,
-        "seconds a streaming (SSE) client may take no bytes before it is disconnected; it resumes by offset",
+        "how long a streaming (SSE) client may take no bytes before it is disconnected; it resumes by offset",
     ),
     Setting(
         "server",
         "shutdown_grace",
-        seconds,
+        duration,
         10.0,
-        "seconds in-flight requests get to finish on SIGTERM/SIGINT",
+        "how long in-flight requests get to finish on SIGTERM/SIGINT",
     ),
     Setting(
         "server",
         "hibernate_after",
-        seconds,
+        duration,
         30.0,
-        "seconds a stream's actor stays in memory with no requests and no live readers",
+        "how long a stream's actor stays in memory with no requests and no live readers",
     ),
     Setting(
         "server",
@@ -296,7 +309,7 @@ SETTINGS: tuple[Setting, ...] = (
         4 << 20,
         "recent bytes per stream kept for live readers to share; readers further behind read by offset",
     ),
-    Setting("limits", "body_timeout", seconds, 300.0, "seconds a client may take to send one request body"),
+    Setting("limits", "body_timeout", duration, 300.0, "how long a client may take to send one request body"),
     Setting(
         "storage",
         "mode",
@@ -327,9 +340,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "storage",
         "fsync_interval",
-        seconds,
+        duration,
         1.0,
-        "seconds between syncs under --fsync interval",
+        "time between syncs under --fsync interval",
         flag="--fsync-interval",
     ),
     Setting(
@@ -351,9 +364,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "storage",
         "segment_max_age",
-        seconds_or_zero,
+        duration_or_off,
         0.0,
-        "a segment is sealed once its first append is this many seconds old (0: off); with the cold "
+        "a segment is sealed once its first append is this old (0: off); with the cold "
         "tier, idle streams are sealed too, so their data reaches the bucket",
         flag="--segment-max-age",
     ),
@@ -474,9 +487,21 @@ SETTINGS: tuple[Setting, ...] = (
         "fetched in the background and on an unknown kid (rate-limited)",
         flag="--auth-jwks-url",
     ),
-    Setting("auth", "issuer", text, "", "required iss claim of tokens (unchecked when empty)", flag="--auth-issuer"),
     Setting(
-        "auth", "audience", text, "", "required aud claim of tokens (unchecked when empty)", flag="--auth-audience"
+        "auth",
+        "issuer",
+        text,
+        "",
+        "required iss claim of tokens (unchecked when empty)",
+        flag="--auth-issuer",
+    ),
+    Setting(
+        "auth",
+        "audience",
+        text,
+        "",
+        "required aud claim of tokens (unchecked when empty)",
+        flag="--auth-audience",
     ),
     Setting(
         "auth",
@@ -489,25 +514,25 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "auth",
         "leeway",
-        seconds_or_zero,
+        duration_or_off,
         30.0,
-        "seconds of clock skew allowed when checking exp and nbf",
+        "clock skew allowed when checking exp and nbf",
         flag="--auth-leeway",
     ),
     Setting(
         "auth",
         "jwks_refresh",
-        seconds,
+        duration,
         300.0,
-        "seconds between background refreshes of --auth-jwks-url",
+        "time between background refreshes of --auth-jwks-url",
         flag="--auth-jwks-refresh",
     ),
     Setting(
         "auth",
         "jwks_min_refresh_interval",
-        seconds,
+        duration,
         10.0,
-        "least seconds between two JWKS fetches caused by tokens with an unknown kid (a flood guard)",
+        "least time between two JWKS fetches caused by tokens with an unknown kid (a flood guard)",
         flag="--auth-jwks-min-refresh-interval",
     ),
     Setting(
@@ -546,9 +571,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "quota",
         "burst",
-        seconds,
+        duration,
         2.0,
-        "seconds of quota a quiet subject may save up and spend at once",
+        "how much of its quota (as time at its rate) a quiet subject may save up and spend at once",
         flag="--quota-burst",
     ),
     Setting(
@@ -563,7 +588,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "retention",
         "max_age",
-        duration,
+        duration_or_off,
         0.0,
         "drop a stream's sealed segments once their last append is this old (7d, 12h; 0: keep); "
         "the default rule, after any [[retention]] rules in the TOML file",
@@ -580,9 +605,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "retention",
         "interval",
-        seconds,
+        duration,
         30.0,
-        "seconds between retention passes",
+        "time between retention passes",
         flag="--retention-interval",
     ),
     Setting(
@@ -652,7 +677,7 @@ def _apply(values: dict[tuple[str, str], Any], setting: Setting, raw: Any, origi
     try:
         values[(setting.section, setting.name)] = setting.parse(raw)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{setting.section}.{setting.name} from {origin}: {raw!r}: {error}") from None
+        raise ConfigError(f"{setting.section}.{setting.name} from {origin}: {raw!r} {error}") from None
 
 
 def load(
@@ -752,9 +777,13 @@ def _cluster_members(raw: Any, path: Path) -> list[tuple[str, str]]:
         member_id, address = str(entry["id"]), str(entry["address"])
         host, _, port_text = address.rpartition(":")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", member_id):
-            raise ConfigError(f"{path}: [cluster] member id {member_id!r}: use letters, digits, '_', '.', '-'")
+            raise ConfigError(
+                f"{path}: [cluster] member id {member_id!r}: use letters, digits, '_', '.', '-'"
+            )
         if not host or not port_text.isdigit():
-            raise ConfigError(f"{path}: [cluster] member {member_id!r}: address must be host:port, not {address!r}")
+            raise ConfigError(
+                f"{path}: [cluster] member {member_id!r}: address must be host:port, not {address!r}"
+            )
         if member_id in [m for m, _ in members]:
             raise ConfigError(f"{path}: [cluster] member id {member_id!r} is listed twice")
         members.append((member_id, address))
@@ -778,21 +807,41 @@ def _retention_rules(tables: list[Any], path: Path) -> list[dict[str, Any]]:
         streams = table.get("streams")
         if not isinstance(streams, str) or not streams:
             raise ConfigError(f'{where} needs streams = "GLOB" (e.g. "logs/**")')
-        try:
-            max_age = duration(table["max_age"]) if "max_age" in table else 0.0
-            max_bytes = byte_size(table["max_bytes"]) if "max_bytes" in table else 0
-            ratio = float(table.get("compact_ratio", 4.0))
-            min_bytes = byte_size(table.get("compact_min_bytes", 1 << 20))
-        except (ValueError, TypeError) as error:
-            raise ConfigError(f"{where}: {error}") from None
-        if not ratio >= 1:
-            raise ConfigError(f"{where}: compact_ratio must be at least 1 (history at least the snapshot's size)")
+        max_age = _rule_value(table, "max_age", duration_or_off, 0.0, where)
+        max_bytes = _rule_value(table, "max_bytes", byte_size, 0, where)
+        ratio = _rule_value(table, "compact_ratio", _compact_ratio, 4.0, where)
+        min_bytes = _rule_value(table, "compact_min_bytes", byte_size, 1 << 20, where)
         # A rule with neither limit keeps its streams whole: a way to exempt them from later rules.
-        rule: dict[str, Any] = {"streams": streams, "max_age": max_age or None, "max_bytes": max_bytes or None}
+        rule: dict[str, Any] = {
+            "streams": streams,
+            "max_age": max_age or None,
+            "max_bytes": max_bytes or None,
+        }
         if compact is not None:
             rule.update(compact=compact, compact_ratio=ratio, compact_min_bytes=min_bytes)
         rules.append(rule)
     return rules
+
+
+def _compact_ratio(value: Any) -> float:
+    try:
+        number = non_negative(value)
+    except ValueError:
+        number = 0.0
+    if number < 1:
+        raise ValueError("is not a number of at least 1 (history at least the snapshot's size)")
+    return number
+
+
+def _rule_value(
+    table: dict[str, Any], key: str, parse: Callable[[Any], Any], default: Any, where: str
+) -> Any:
+    if key not in table:
+        return default
+    try:
+        return parse(table[key])
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{where}: {key} {table[key]!r} {error}") from None
 
 
 def cli_dest(setting: Setting) -> str:

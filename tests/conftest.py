@@ -77,7 +77,9 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
     `@pytest.mark.parametrize("cluster", [SECRET], indirect=True)` gives them a cluster secret."""
     from tests.test_cluster import HAPROXY, Cluster
 
-    assert Path(HAPROXY).exists(), "haproxy is missing: make system-tools installs it (apt-get install haproxy)"
+    assert Path(HAPROXY).exists(), (
+        "haproxy is missing: make system-tools installs it (apt-get install haproxy)"
+    )
     built = Cluster(tmp_path, request.param)
     try:
         built.start_member("a")

@@ -17,9 +17,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from streamkeep import cli
-from streamkeep.http import server
-from streamkeep.storage.disk import DiskStorage
+from streamkeep import assemble, cli
+from streamkeep.storage.disk.storage import DiskStorage
 from tests.faultyfs import FaultyFS
 
 
@@ -39,7 +38,7 @@ def main() -> int:
             super().__init__(*args, fs=fs, **kwargs)
 
     # A subclass, so the server's isinstance checks still see disk storage.
-    server.DiskStorage = CrashingDiskStorage  # type: ignore[misc]
+    assemble.DiskStorage = CrashingDiskStorage  # type: ignore[misc]
     return cli.main(sys.argv[2:])
 
 

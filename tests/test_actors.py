@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pytest
 import trio
 import trio.testing
 
 from streamkeep.actors.mailbox import NotNow
-from streamkeep.actors.stream_actor import StreamActor
+from streamkeep.actors.messages import HEAD, Append, Ask, Create, Read
+from streamkeep.actors.stream_ops import HANDLERS, NOW, StreamOps
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers
@@ -18,12 +22,12 @@ def new_storage() -> MemoryStorage:
     return MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22)
 
 
-def create_spec() -> CreateSpec:
-    return CreateSpec.from_request(Headers([("Content-Type", "text/plain")]), b"")
+def create() -> Create:
+    return Create(CreateSpec.from_request(Headers([("Content-Type", "text/plain")]), b""))
 
 
-def append(body: bytes) -> AppendSpec:
-    return AppendSpec.from_request(Headers([("Content-Type", "text/plain")]), body)
+def append(body: bytes) -> Append:
+    return Append(AppendSpec.from_request(Headers([("Content-Type", "text/plain")]), body))
 
 
 async def test_idle_actor_hibernates_and_revives_with_its_data(
@@ -31,12 +35,12 @@ async def test_idle_actor_hibernates_and_revives_with_its_data(
 ) -> None:
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(new_storage(), nursery, hibernate_after=5)
-        await supervisor.call("s", "create", create_spec(), must_exist=False)
-        await (await supervisor.call("s", "append", append(b"hello"))).wait()
+        await supervisor.call("s", create(), must_exist=False)
+        await (await supervisor.call("s", append(b"hello"))).wait()
         assert supervisor.active == 1
         await trio.sleep(6)
         assert supervisor.active == 0, "idle actor should have hibernated"
-        plan = await supervisor.call("s", "read", "-1", True)
+        plan = await supervisor.call("s", Read("-1", True))
         view = await plan.log.read(0, 1024, whole_messages=False)
         assert view.messages == [b"hello"]
         assert supervisor.spawned == 2 and supervisor.active == 1
@@ -46,7 +50,7 @@ async def test_idle_actor_hibernates_and_revives_with_its_data(
 async def test_live_reader_keeps_actor_awake(autojump_clock: trio.testing.MockClock) -> None:
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(new_storage(), nursery, hibernate_after=1)
-        await supervisor.call("s", "create", create_spec(), must_exist=False)
+        await supervisor.call("s", create(), must_exist=False)
         with supervisor.live_reader("s"):
             await trio.sleep(10)
             assert supervisor.active == 1
@@ -60,7 +64,7 @@ async def test_missing_stream_spawns_no_actor() -> None:
         supervisor = Supervisor(new_storage(), nursery)
         for i in range(100):
             try:
-                await supervisor.call(f"nope-{i}", "head")
+                await supervisor.call(f"nope-{i}", HEAD)
             except ProtocolError as error:
                 assert error.status == 404
         assert supervisor.spawned == 0
@@ -70,11 +74,11 @@ async def test_missing_stream_spawns_no_actor() -> None:
 async def test_concurrent_appends_are_serialised() -> None:
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(new_storage(), nursery, mailbox_size=8)
-        await supervisor.call("s", "create", create_spec(), must_exist=False)
+        await supervisor.call("s", create(), must_exist=False)
         next_offsets: list[int] = []
 
         async def one(i: int) -> None:
-            pending = await supervisor.call("s", "append", append(b"%03d" % i))
+            pending = await supervisor.call("s", append(b"%03d" % i))
             outcome = await pending.wait()
             next_offsets.append(outcome.next_offset)
 
@@ -82,36 +86,36 @@ async def test_concurrent_appends_are_serialised() -> None:
             for i in range(200):
                 writers.start_soon(one, i)
         assert sorted(next_offsets) == [3 * (i + 1) for i in range(200)]
-        plan = await supervisor.call("s", "read", "-1", True)
+        plan = await supervisor.call("s", Read("-1", True))
         view = await plan.log.read(0, 1 << 20, whole_messages=False)
         assert sorted(view.messages) == [b"%03d" % i for i in range(200)]
         nursery.cancel_scope.cancel()
 
 
-def not_now(self, *args):  # type: ignore[no-untyped-def]
+def not_now(ops: StreamOps, message: Append) -> None:
     raise NotNow
 
 
-async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def test_full_mailbox_makes_senders_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """A flood of appends queues at most `mailbox_size` messages; the rest wait in their senders."""
     gate = trio.Event()
-    original = StreamActor.append
+    original = HANDLERS[Append]
 
-    async def slow_append(self, *args):  # type: ignore[no-untyped-def]
+    async def slow_append(ops: StreamOps, message: Append) -> object:
         await gate.wait()
-        return await original(self, *args)
+        return await original(ops, message)
 
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(new_storage(), nursery, mailbox_size=4)
-        await supervisor.call("s", "create", create_spec(), must_exist=False)
-        monkeypatch.setattr(StreamActor, "append", slow_append)
+        await supervisor.call("s", create(), must_exist=False)
+        monkeypatch.setitem(HANDLERS, Append, slow_append)
         # Appends that cannot be answered in the caller's task (here: none) take the mailbox.
-        monkeypatch.setattr(StreamActor, "_append_now", not_now)
+        monkeypatch.setitem(NOW, Append, not_now)
         done = 0
 
         async def one() -> None:
             nonlocal done
-            await (await supervisor.call("s", "append", append(b"x"))).wait()
+            await (await supervisor.call("s", append(b"x"))).wait()
             done += 1
 
         async with trio.open_nursery() as writers:
@@ -125,41 +129,48 @@ async def test_full_mailbox_makes_senders_wait(monkeypatch) -> None:  # type: ig
             assert done == 0
             gate.set()
         assert done == 20
-        view = await supervisor.call("s", "head")
+        view = await supervisor.call("s", HEAD)
         assert view.tail == 20
         nursery.cancel_scope.cancel()
 
 
-async def test_a_caller_that_must_finish_is_answered_when_the_actor_stops() -> None:
+@dataclass(slots=True)
+class Slow(Ask[str]):
+    """A message a test holds the actor busy with."""
+
+
+async def test_a_caller_that_must_finish_is_answered_when_the_actor_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Found by the torture run (sim seed 2462): at shutdown a fork's shielded delete called its
     source's actor, which was cancelled before it took the message; the delete waited forever and
     the server never stopped. Messages an actor will not take, or is cancelled in, are answered."""
     answers: list[object] = []
     outer = trio.CancelScope()
 
-    async def shielded_call(supervisor: Supervisor, name: str, handler: str, *args: object) -> None:
+    async def shielded_call(supervisor: Supervisor, name: str, message: Ask[object]) -> None:
         with trio.CancelScope(shield=True):
             try:
-                answers.append(await supervisor.call(name, handler, *args))
+                answers.append(await supervisor.call(name, message))
             except ProtocolError as error:
                 answers.append(error.code)
 
     with outer:
         async with trio.open_nursery() as nursery:
             supervisor = Supervisor(new_storage(), nursery)
-            await supervisor.call("s", "create", create_spec(), must_exist=False)
-            actor = supervisor.actor("s", must_exist=True)
+            await supervisor.call("s", create(), must_exist=False)
             entered, release = trio.Event(), trio.Event()
 
-            async def slow() -> str:  # holds the actor busy, so the next message waits in its mailbox
+            # Holds the actor busy, so the next message waits in its mailbox.
+            async def slow(ops: StreamOps, message: Slow) -> str:
                 entered.set()
                 await release.wait()
                 return "done"
 
-            actor.slow = slow  # type: ignore[attr-defined]
-            nursery.start_soon(shielded_call, supervisor, "s", "slow")
+            monkeypatch.setitem(HANDLERS, Slow, slow)
+            nursery.start_soon(shielded_call, supervisor, "s", Slow())
             await entered.wait()
-            nursery.start_soon(shielded_call, supervisor, "s", "head")
+            nursery.start_soon(shielded_call, supervisor, "s", HEAD)
             await trio.testing.wait_all_tasks_blocked()
             outer.cancel()
     assert sorted(map(str, answers)) == ["shutting_down", "shutting_down"]

@@ -79,7 +79,11 @@ class JwksServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def add(self, kid: str, kind: str) -> None:
-        self.keys[kid] = ec.generate_private_key(ec.SECP256R1()) if kind == "ES256" else ed25519.Ed25519PrivateKey.generate()
+        self.keys[kid] = (
+            ec.generate_private_key(ec.SECP256R1())
+            if kind == "ES256"
+            else ed25519.Ed25519PrivateKey.generate()
+        )
 
     def document(self) -> dict:
         keys = []
@@ -96,7 +100,13 @@ class JwksServer:
     def token(self, kid: str, scope: str, **claims: object) -> str:
         private = self.keys[kid]
         algorithm = "ES256" if isinstance(private, ec.EllipticCurvePrivateKey) else "EdDSA"
-        body = {"sub": f"jwks-{kid}", "scope": scope, "aud": AUDIENCE, "exp": int(time.time()) + 600, **claims}
+        body = {
+            "sub": f"jwks-{kid}",
+            "scope": scope,
+            "aud": AUDIENCE,
+            "exp": int(time.time()) + 600,
+            **claims,
+        }
         return jwt.encode(body, private, algorithm, headers={"kid": kid})  # type: ignore[arg-type]
 
     def close(self) -> None:
@@ -218,13 +228,19 @@ def test_scopes_decide_each_operation(client: httpx.Client, name: str) -> None:
     assert client.delete(url + "-w", headers=writer).status_code == 204
     # 403 never says whether the stream exists: the same answer for a name never created.
     existing, missing = client.get(url, headers=other_team), client.get(url + "-none", headers=other_team)
-    assert (existing.status_code, existing.json()["error"]["code"]) == (missing.status_code, missing.json()["error"]["code"])
+    assert (existing.status_code, existing.json()["error"]["code"]) == (
+        missing.status_code,
+        missing.json()["error"]["code"],
+    )
 
 
 def test_scopes_match_the_decoded_name_not_the_raw_path(client: httpx.Client) -> None:
     scoped = bearer(token("write:team-a/**"))
     # %2F decodes to '/', so this names team-a/x: the grant holds although the raw path differs.
-    assert client.put(f"/v1/stream/team-a%2Fenc-{time.monotonic_ns()}", headers={**scoped, **JSON}).status_code == 201
+    assert (
+        client.put(f"/v1/stream/team-a%2Fenc-{time.monotonic_ns()}", headers={**scoped, **JSON}).status_code
+        == 201
+    )
     # team-b%2F.. cannot climb into team-a: the name is checked after decoding, and `..` is refused.
     assert client.put("/v1/stream/team-a/..%2Fteam-b/x", headers={**scoped, **JSON}).status_code == 400
     refused(client.put("/v1/stream/team-b%2Fx", headers={**scoped, **JSON}), 403, "insufficient_scope")
@@ -239,7 +255,11 @@ def test_fork_needs_read_on_source_and_write_on_itself(client: httpx.Client, nam
     url = created(client, name)
     fork = {"Stream-Forked-From": url, **JSON}
     write_b_only = bearer(token("write:team-b/**"))
-    refused(client.put(f"/v1/stream/team-b/fork-{next(_count)}", headers={**write_b_only, **fork}), 403, "insufficient_scope")
+    refused(
+        client.put(f"/v1/stream/team-b/fork-{next(_count)}", headers={**write_b_only, **fork}),
+        403,
+        "insufficient_scope",
+    )
     both = bearer(token("write:team-b/** read:team-a/**"))
     assert client.put(f"/v1/stream/team-b/fork-{next(_count)}", headers={**both, **fork}).status_code == 201
 
@@ -272,7 +292,9 @@ def test_token_query_parameter_on_sse(client: httpx.Client, name: str) -> None:
                 break
     assert b'"n": 1' in seen or b'"n":1' in seen
     # Only reads take it from the URL: an append must send the header.
-    refused(client.post(f"{url}?token={token('write:**')}", content=b"{}", headers=JSON), 401, "missing_token")
+    refused(
+        client.post(f"{url}?token={token('write:**')}", content=b"{}", headers=JSON), 401, "missing_token"
+    )
 
 
 # ---- JWKS ------------------------------------------------------------------------------------
@@ -295,7 +317,9 @@ def test_random_kids_cannot_flood_the_jwks(client: httpx.Client, jwks: JwksServe
     before = jwks.fetches
     forged = ed25519.Ed25519PrivateKey.generate()
     for n in range(20):
-        value = jwt.encode({"scope": "admin", "aud": AUDIENCE}, forged, "EdDSA", headers={"kid": f"random-{n}"})  # type: ignore[arg-type]
+        value = jwt.encode(
+            {"scope": "admin", "aud": AUDIENCE}, forged, "EdDSA", headers={"kid": f"random-{n}"}
+        )  # type: ignore[arg-type]
         refused(client.get(url, headers=bearer(value)), 401, "unknown_key")
     assert jwks.fetches - before <= 1
 
@@ -321,7 +345,19 @@ def _b64(data: bytes) -> str:
 
 def sign(stream: str, *, ttl: str = "1h", base: str, keys: str = LINK_KEYS) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "streamkeep", "sign", stream, "--ttl", ttl, "--base-url", base, "--auth-link-keys", keys],
+        [
+            sys.executable,
+            "-m",
+            "streamkeep",
+            "sign",
+            stream,
+            "--ttl",
+            ttl,
+            "--base-url",
+            base,
+            "--auth-link-keys",
+            keys,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -383,12 +419,16 @@ def test_reads_are_private_to_caches(client: httpx.Client, name: str) -> None:
 
 
 def test_append_quota_answers_429(tmp_path: Path) -> None:
-    server = start(*FAST, "--auth-jwt-secret", SECRET, "--quota-appends-per-second", "5", "--quota-burst", "1")
+    server = start(
+        *FAST, "--auth-jwt-secret", SECRET, "--quota-appends-per-second", "5", "--quota-burst", "1"
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=10) as client:
             alice, bob = bearer(token("write:**", aud=None)), bearer(token("write:**", sub="bob", aud=None))
             assert client.put("/v1/stream/q", headers={**alice, **JSON}).status_code == 201
-            statuses = [client.post("/v1/stream/q", content=b"{}", headers={**alice, **JSON}) for _ in range(12)]
+            statuses = [
+                client.post("/v1/stream/q", content=b"{}", headers={**alice, **JSON}) for _ in range(12)
+            ]
             limited = [r for r in statuses if r.status_code == 429]
             assert limited, [r.status_code for r in statuses]
             assert int(limited[0].headers["retry-after"]) >= 1
@@ -426,7 +466,9 @@ def test_subscriptions_follow_only_what_their_creator_may_read(client: httpx.Cli
     linked = {entry["path"] for entry in client.get(sub_url, headers=alice).json()["streams"]}
     assert also_mine in linked and later not in linked, linked
     # Another subject does not see it; an admin does; without a token, 401.
-    refused(client.get(sub_url, headers=bearer(token("read:**", sub="mallory"))), 404, "SUBSCRIPTION_NOT_FOUND")
+    refused(
+        client.get(sub_url, headers=bearer(token("read:**", sub="mallory"))), 404, "SUBSCRIPTION_NOT_FOUND"
+    )
     assert client.get(sub_url, headers=bearer(ADMIN)).status_code == 200
     refused(client.get(sub_url), 401, "missing_token")
     # Naming a stream the creator may not read is refused.
@@ -440,17 +482,31 @@ def test_subscriptions_follow_only_what_their_creator_may_read(client: httpx.Cli
 def test_closing_a_stream_needs_write(client: httpx.Client, name: str) -> None:
     url = created(client, name)
     close = {"Stream-Closed": "true", **JSON}
-    refused(client.post(url, headers={**bearer(token("append:team-a/**")), **close}), 403, "insufficient_scope")
-    assert client.post(url, content=b'{"n": 2}', headers={**bearer(token("append:team-a/**")), **JSON}).status_code == 204
+    refused(
+        client.post(url, headers={**bearer(token("append:team-a/**")), **close}), 403, "insufficient_scope"
+    )
+    assert (
+        client.post(
+            url, content=b'{"n": 2}', headers={**bearer(token("append:team-a/**")), **JSON}
+        ).status_code
+        == 204
+    )
     assert client.post(url, headers={**bearer(token("write:team-a/**")), **close}).status_code == 204
 
 
 def test_quota_counts_creates_and_tokens_without_sub_however_spelt() -> None:
-    server = start(*FAST, "--auth-jwt-secret", SECRET, "--quota-appends-per-second", "2", "--quota-burst", "1")
+    server = start(
+        *FAST, "--auth-jwt-secret", SECRET, "--quota-appends-per-second", "2", "--quota-burst", "1"
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=10) as client:
             anonymous = token("write:**", sub=None, aud=None)
-            spellings = [f"Bearer {anonymous}", f"bearer {anonymous}", f"BEARER {anonymous}", f"Bearer  {anonymous}"]
+            spellings = [
+                f"Bearer {anonymous}",
+                f"bearer {anonymous}",
+                f"BEARER {anonymous}",
+                f"Bearer  {anonymous}",
+            ]
             statuses = [
                 client.put(f"/v1/stream/anon-{n}", headers={"Authorization": spelling, **JSON}).status_code
                 for n, spelling in enumerate(spellings * 2)

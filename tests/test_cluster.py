@@ -67,7 +67,9 @@ class Cluster:
             "[cluster]\nepoch = 1\nmembers = ["
             f'{{id = "a", address = "127.0.0.1:{port_a}"}}, {{id = "b", address = "127.0.0.1:{port_b}"}}]\n'
         )
-        self.placement = Placement.of([Member("a", f"127.0.0.1:{port_a}"), Member("b", f"127.0.0.1:{port_b}")], 1)
+        self.placement = Placement.of(
+            [Member("a", f"127.0.0.1:{port_a}"), Member("b", f"127.0.0.1:{port_b}")], 1
+        )
         self.members: dict[str, ServerProcess] = {}
         assert cli.main(["cluster", "haproxy-config", "--config", str(self.toml), "--out", str(root / "lb"),
                          "--port", str(front)]) == 0  # fmt: skip
@@ -134,7 +136,9 @@ def test_streams_land_on_their_owners_and_a_killed_member_costs_only_its_own(clu
             assert refused.status_code == 421 and refused.headers["streamkeep-owner"] == owner
             assert refused.json()["error"]["code"] == "not_owner"
         # A stale placement epoch is refused, never served.
-        stale = h1.get(f"{cluster.direct('a')}/v1/stream/{names[0]}", headers={"Streamkeep-Placement-Epoch": "7"})
+        stale = h1.get(
+            f"{cluster.direct('a')}/v1/stream/{names[0]}", headers={"Streamkeep-Placement-Epoch": "7"}
+        )
         assert stale.status_code == 503 and stale.headers["retry-after"] == "1"
 
         cluster.members["b"].process.kill()  # SIGKILL: no shutdown, no flush
@@ -143,11 +147,15 @@ def test_streams_land_on_their_owners_and_a_killed_member_costs_only_its_own(clu
         a_streams = [name for name, owner in owners.items() if owner == "a"]
         wait_for(lambda: h1.get(f"{cluster.front}/v1/stream/{b_streams[0]}").status_code == 503)
         for name in b_streams:
-            down = h1.post(f"{cluster.front}/v1/stream/{name}", content=b"x", headers={"Content-Type": "text/plain"})
+            down = h1.post(
+                f"{cluster.front}/v1/stream/{name}", content=b"x", headers={"Content-Type": "text/plain"}
+            )
             assert down.status_code == 503 and down.headers["retry-after"] == "1"
             assert down.json()["error"]["code"] == "owner_unavailable"
         for name in a_streams:  # the other member never noticed
-            up = h1.post(f"{cluster.front}/v1/stream/{name}", content=b"5,", headers={"Content-Type": "text/plain"})
+            up = h1.post(
+                f"{cluster.front}/v1/stream/{name}", content=b"5,", headers={"Content-Type": "text/plain"}
+            )
             assert up.status_code == 204
 
         cluster.start_member("b")  # the same data directory
@@ -161,15 +169,25 @@ def test_streams_land_on_their_owners_and_a_killed_member_costs_only_its_own(clu
 @pytest.mark.parametrize(
     ("toml", "member", "says"),
     [
-        ('[cluster]\nmembers = [{id = "a", address = "127.0.0.1:1"}]\n', "z", "not one of the [cluster] members"),
+        (
+            '[cluster]\nmembers = [{id = "a", address = "127.0.0.1:1"}]\n',
+            "z",
+            "not one of the [cluster] members",
+        ),
         ('[cluster]\nmembers = [{id = "a", address = "nohost"}]\n', "a", "address must be host:port"),
-        ('[cluster]\nmembers = [{id = "a", address = "h:1"}, {id = "a", address = "h:2"}]\n', "a", "listed twice"),
+        (
+            '[cluster]\nmembers = [{id = "a", address = "h:1"}, {id = "a", address = "h:2"}]\n',
+            "a",
+            "listed twice",
+        ),
         ("[cluster]\nmembers = []\n", "a", "must be a list"),
         ('[cluster]\nmembers = [{id = "a b", address = "h:1"}]\n', "a b", "use letters, digits"),
         ('[cluster]\nsecret = "short"\nmembers = [{id = "a", address = "h:1"}]\n', "a", "at least 32 bytes"),
     ],
 )
-def test_a_bad_cluster_section_is_refused_with_what_to_fix(tmp_path: Path, toml: str, member: str, says: str) -> None:
+def test_a_bad_cluster_section_is_refused_with_what_to_fix(
+    tmp_path: Path, toml: str, member: str, says: str
+) -> None:
     from streamkeep import config
 
     path = tmp_path / "c.toml"
@@ -178,7 +196,9 @@ def test_a_bad_cluster_section_is_refused_with_what_to_fix(tmp_path: Path, toml:
         config.load(str(path), cli={"cluster_member": member})
 
 
-def test_cluster_run_starts_members_and_haproxy_over_h1_h2c_and_tls_and_stops_them_all(tmp_path: Path) -> None:
+def test_cluster_run_starts_members_and_haproxy_over_h1_h2c_and_tls_and_stops_them_all(
+    tmp_path: Path,
+) -> None:
     from ops.serverproc import launch
     from tests.conftest import make_certificates
 
@@ -200,10 +220,18 @@ def test_cluster_run_starts_members_and_haproxy_over_h1_h2c_and_tls_and_stops_th
                 created = h2.put(f"{runner.url}/v1/stream/{name}", headers={"Content-Type": "text/plain"})
                 assert created.status_code == 201
                 assert created.headers["location"] == f"{runner.url}/v1/stream/{name}"  # the client's scheme
-                answer = h2.post(f"{runner.url}/v1/stream/{name}", content=b"hi", headers={"Content-Type": "text/plain"})
-                assert answer.status_code == 204 and answer.http_version == "HTTP/2"  # ALPN h2 at the front door
+                answer = h2.post(
+                    f"{runner.url}/v1/stream/{name}", content=b"hi", headers={"Content-Type": "text/plain"}
+                )
+                assert (
+                    answer.status_code == 204 and answer.http_version == "HTTP/2"
+                )  # ALPN h2 at the front door
                 assert h2.get(f"{runner.url}/v1/stream/{name}?offset=-1").content == b"hi"
-        members = {line.split()[1]: line.split()[3].rstrip(":") for line in runner.output if line.startswith("member m")}
+        members = {
+            line.split()[1]: line.split()[3].rstrip(":")
+            for line in runner.output
+            if line.startswith("member m")
+        }
         assert set(members) == {"m0", "m1"}
         secret = (data / "cluster.secret").read_text().strip()
         for member, url in members.items():  # each process holds exactly the streams it owns
@@ -211,7 +239,9 @@ def test_cluster_run_starts_members_and_haproxy_over_h1_h2c_and_tls_and_stops_th
             target = "/v1/admin/streams?match=run/**"
             signed = {"Streamkeep-Forwarded": stamp_header(secret, other, "GET", target)}
             listed = httpx.get(f"{url}{target}", headers=signed).json()["streams"]
-            assert sorted(row["name"] for row in listed) == sorted(n for n in names if placement.owner(n).id == member)
+            assert sorted(row["name"] for row in listed) == sorted(
+                n for n in names if placement.owner(n).id == member
+            )
             for name in names:  # and hands the others to their owner (cluster run gives a secret)
                 assert httpx.get(f"{url}/v1/stream/{name}?offset=-1").content == b"hi"
     finally:
@@ -265,12 +295,17 @@ def test_a_member_forwards_streams_it_does_not_own_and_guards_against_loops(clus
             assert created.status_code == (200 if other == name else 201), (odd, created.text)
             if created.status_code == 201:  # made by the owner, named as the client reached it
                 assert created.headers["location"] == f"{cluster.front}/v1/stream/{odd}"
-            assert h1.head(f"{cluster.direct(cluster.placement.owner(other).id)}/v1/stream/{other}").status_code == 200
+            assert (
+                h1.head(f"{cluster.direct(cluster.placement.owner(other).id)}/v1/stream/{other}").status_code
+                == 200
+            )
         # Only members may claim to be one, and a forwarded request never travels twice.
         fake = h1.get(f"{b}/v1/stream/{name}", headers={"Streamkeep-Forwarded": "a 1 00"})
         assert fake.status_code == 403 and fake.json()["error"]["code"] == "bad_cluster_signature"
         target = f"/v1/stream/{name}"
-        looped = h1.get(f"{a}{target}", headers={"Streamkeep-Forwarded": stamp_header(SECRET, "b", "GET", target)})
+        looped = h1.get(
+            f"{a}{target}", headers={"Streamkeep-Forwarded": stamp_header(SECRET, "b", "GET", target)}
+        )
         assert looped.status_code == 503 and looped.json()["error"]["code"] == "stale_placement"
         stats = h1.get(f"{a}/stats").json()["cluster"]
         assert stats["member"] == "a" and stats["epoch"] == 1 and stats["forwarding"]
@@ -339,7 +374,9 @@ async def test_an_actor_that_was_handed_a_message_does_not_hibernate() -> None:
     start and run appends directly while the first still handles that message)."""
     import trio
 
-    from streamkeep.actors.mailbox import Message, Reply
+    from streamkeep.actors.mailbox import Envelope, Reply
+    from streamkeep.actors.messages import HEAD, Create
+    from streamkeep.actors.stream_ops import StreamOps
     from streamkeep.actors.supervisor import Supervisor
     from streamkeep.protocol.model import Headers
     from streamkeep.protocol.stream import CreateSpec
@@ -348,11 +385,11 @@ async def test_an_actor_that_was_handed_a_message_does_not_hibernate() -> None:
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 20), nursery)
         spec = CreateSpec.from_request(Headers([("Content-Type", "text/plain")]), b"")
-        await supervisor.call("s", "create", spec, must_exist=False)
+        await supervisor.call("s", Create(spec), must_exist=False)
         actor = supervisor.actor("s", must_exist=True)
         await trio.testing.wait_all_tasks_blocked()  # the actor waits on its mailbox
         actor._queued += 1  # what StreamActor.call does before its send, which hands it over
-        actor._send.send_nowait(Message(actor.head, (), Reply()))
+        actor._send.send_nowait(Envelope(StreamOps.head, HEAD, Reply()))
         assert actor._receive.statistics().current_buffer_used == 0
         assert not actor.hibernate_if_idle(trio.current_time() + 3600)
         assert supervisor.actor("s", must_exist=True) is actor

@@ -57,7 +57,9 @@ def fork_stats(cluster: Cluster, member: str) -> dict:
     return dict(httpx.get(f"{cluster.direct(member)}/stats", timeout=5).json()["cluster_forks"])
 
 
-def test_a_chain_of_forks_across_members_reads_soft_deletes_and_cascades(cluster: Cluster, client: httpx.Client) -> None:
+def test_a_chain_of_forks_across_members_reads_soft_deletes_and_cascades(
+    cluster: Cluster, client: httpx.Client
+) -> None:
     source, middle, last = named(cluster, "src", "a"), named(cluster, "mid", "b"), named(cluster, "end", "a")
     assert client.put(f"/v1/stream/{source}", headers=JSON, content=b'[{"n":1}]').status_code == 201
     second = client.post(f"/v1/stream/{source}", headers=JSON, content=b'[{"n":2}]')
@@ -86,7 +88,10 @@ def test_a_chain_of_forks_across_members_reads_soft_deletes_and_cascades(cluster
     assert fork_stats(cluster, "a")["attached"] == 1 and fork_stats(cluster, "b")["attached"] == 1
     assert fork_stats(cluster, "a")["pins"] == 1 and fork_stats(cluster, "b")["pins"] == 1
     metrics = httpx.get(f"{cluster.direct('a')}/metrics", timeout=5).text
-    assert "streamkeep_cluster_fork_pins 1.0" in metrics and "streamkeep_cluster_inherited_reads_total" in metrics
+    assert (
+        "streamkeep_cluster_fork_pins 1.0" in metrics
+        and "streamkeep_cluster_inherited_reads_total" in metrics
+    )
     assert 'streamkeep_cluster_calls_total{direction="in",outcome="answered"}' in metrics
     # The stream browser's list through the front door holds every member's streams.
     listed = client.get("/v1/admin/streams").json()
@@ -111,7 +116,11 @@ def test_a_chain_of_forks_across_members_reads_soft_deletes_and_cascades(cluster
 def test_pins_survive_a_crash_and_a_pin_without_its_fork_is_reconciled_away(
     cluster: Cluster, client: httpx.Client
 ) -> None:
-    source, forked, orphaned = named(cluster, "src", "a"), named(cluster, "f", "b"), named(cluster, "lone", "a")
+    source, forked, orphaned = (
+        named(cluster, "src", "a"),
+        named(cluster, "f", "b"),
+        named(cluster, "lone", "a"),
+    )
     text = {"Content-Type": "text/plain"}
     assert client.put(f"/v1/stream/{source}", headers=text, content=b"abc").status_code == 201
     assert fork(client, forked, source).status_code == 201
@@ -165,7 +174,9 @@ def test_cluster_calls_are_for_members_only(cluster: Cluster, client: httpx.Clie
         refused = httpx.post(url, content=b"\xa0", timeout=5)
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "members_only"
     forged = httpx.post(
-        f"{cluster.direct('a')}/_cluster/fork.read", headers={"Streamkeep-Forwarded": "b 1 00"}, content=b"\xa0"
+        f"{cluster.direct('a')}/_cluster/fork.read",
+        headers={"Streamkeep-Forwarded": "b 1 00"},
+        content=b"\xa0",
     )
     assert forged.status_code == 403 and forged.json()["error"]["code"] == "bad_cluster_signature"
 
@@ -178,8 +189,11 @@ def test_cluster_calls_are_for_members_only(cluster: Cluster, client: httpx.Clie
                 ("fork.nothing", {}, "unknown_cluster_call"),
                 ("fork.read", {"source": 5}, "bad_cluster_call"),
                 ("fork.read", {"source": missing, "start": 0, "max": 1, "limit": 1}, "fork_source_missing"),
-                ("fork.attach", {"source": missing, "offset": None, "sub_offset": 0, "fork": "x", "pin": "p"},
-                 "stream_not_found"),
+                (
+                    "fork.attach",
+                    {"source": missing, "offset": None, "sub_offset": 0, "fork": "x", "pin": "p"},
+                    "stream_not_found",
+                ),
             ):
                 with pytest.raises(Exception) as raised:
                     await peers.call(member, op, payload)
@@ -220,7 +234,9 @@ def test_a_fork_recovery_could_not_load_keeps_its_pin(cluster: Cluster, client: 
     assert client.get(f"/v1/stream/{forked}?offset=-1").content == b"inherited;"
 
 
-def test_a_delete_does_not_wait_long_for_a_frozen_source_member(cluster: Cluster, client: httpx.Client) -> None:
+def test_a_delete_does_not_wait_long_for_a_frozen_source_member(
+    cluster: Cluster, client: httpx.Client
+) -> None:
     """Found by review: the fork's delete told the source's member inside a shielded scope with
     the calls' full timeout, so a frozen member held the DELETE (and a shutdown) for ~30 s."""
     source, forked = named(cluster, "src", "b"), named(cluster, "fk", "a")

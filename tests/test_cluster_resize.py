@@ -40,7 +40,9 @@ def resize(data: Path, processes: int) -> subprocess.CompletedProcess[str]:
 def own_streams(runner: ServerProcess, data: Path) -> dict[str, set[str]]:
     """Each member's own list, asked as a member asks (signed), so it is not the cluster's."""
     secret = (data / "cluster.secret").read_text().strip()
-    members = {line.split()[1]: line.split()[3].rstrip(":") for line in runner.output if line.startswith("member m")}
+    members = {
+        line.split()[1]: line.split()[3].rstrip(":") for line in runner.output if line.startswith("member m")
+    }
     held = {}
     for member, url in members.items():
         target = "/v1/admin/streams?match=rs/**"
@@ -70,11 +72,18 @@ def test_growing_and_shrinking_moves_streams_with_their_data_and_fork_pins(tmp_p
     try:
         with httpx.Client(base_url=runner.url, timeout=10) as client:
             for name in names:
-                assert client.put(f"/v1/stream/{name}", headers=TEXT, content=f"{name}:".encode()).status_code == 201
+                assert (
+                    client.put(f"/v1/stream/{name}", headers=TEXT, content=f"{name}:".encode()).status_code
+                    == 201
+                )
                 assert client.post(f"/v1/stream/{name}", headers=TEXT, content=b"more").status_code == 204
             for source, fork in (split, joined):
-                assert client.put(f"/v1/stream/{source}", headers=TEXT, content=b"inherited;").status_code == 201
-                made = client.put(f"/v1/stream/{fork}", headers={"Stream-Forked-From": f"/v1/stream/{source}"})
+                assert (
+                    client.put(f"/v1/stream/{source}", headers=TEXT, content=b"inherited;").status_code == 201
+                )
+                made = client.put(
+                    f"/v1/stream/{fork}", headers={"Stream-Forked-From": f"/v1/stream/{source}"}
+                )
                 assert made.status_code == 201
                 assert client.post(f"/v1/stream/{fork}", headers=TEXT, content=b"own").status_code == 204
                 assert client.delete(f"/v1/stream/{source}").status_code == 204  # soft: its fork reads it
@@ -144,4 +153,7 @@ def test_an_interrupted_resize_blocks_the_cluster_until_it_is_finished(tmp_path:
     assert other.returncode == 2 and "--processes 3" in other.stderr
     finished = resize(data, 3)
     assert finished.returncode == 0 and "finishing the interrupted resize" in finished.stdout
-    assert "epoch = 2" in (data / "cluster.toml").read_text() and 'id = "m2"' in (data / "cluster.toml").read_text()
+    assert (
+        "epoch = 2" in (data / "cluster.toml").read_text()
+        and 'id = "m2"' in (data / "cluster.toml").read_text()
+    )

@@ -20,12 +20,13 @@ import trio
 import trio.testing
 
 from streamkeep.actors.supervisor import Supervisor
-from streamkeep.cluster.peers import PeerOps
+from streamkeep.cluster.peers import DownMembers, PeerOps
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.cluster.subscriptions import ASK_TIMEOUT_S, SubscriptionPeers
 from streamkeep.cluster.subscriptions_view import RemoteStreams, subscription_owner
+from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers, Request, Response
-from streamkeep.service import Service, ServiceOptions
+from streamkeep.server.service import Recovered, Service, ServiceOptions
 from streamkeep.storage.memory import MemoryStorage
 from streamkeep.subscriptions.manager import SubscriptionManager
 from streamkeep.subscriptions.signing import Keys
@@ -54,6 +55,7 @@ class Net:
 class FakePeers:
     def __init__(self, net: Net, member: str) -> None:
         self.net, self.placement, self.member = net, PLACEMENT, member
+        self.down = DownMembers()
 
     def others(self) -> list[Member]:
         return [m for m in self.placement.members if m.id != self.member]
@@ -67,7 +69,13 @@ class FakePeers:
             await hung.wait()
         await trio.sleep(self.net.slow.get(member.id, 0))
         handler = self.net.ops[member.id]._handlers[op]
-        answer = await handler(self.member, cbor2.loads(cbor2.dumps(payload)))  # as on the wire
+        try:
+            answer = await handler(self.member, cbor2.loads(cbor2.dumps(payload)))  # as on the wire
+        except ProtocolError as error:
+            if error.status == 503:  # as Peers.call takes it
+                self.down.mark(member.id, error.message)
+            raise
+        self.down.answered(member.id)
         return dict(cbor2.loads(cbor2.dumps(answer)))
 
 
@@ -90,7 +98,6 @@ async def two_members() -> AsyncIterator[tuple[Net, dict[str, Node]]]:
         for member in ("a", "b"):
             storage = MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22)
             supervisor = Supervisor(storage, nursery)
-            service = Service(supervisor, ServiceOptions())
             view = RemoteStreams(PLACEMENT, member, storage)
             manager = SubscriptionManager(
                 supervisor, Keys(None), state_dir=None, allow_loopback_webhooks=True, view=view
@@ -98,7 +105,8 @@ async def two_members() -> AsyncIterator[tuple[Net, dict[str, Node]]]:
             net.ops[member] = PeerOps()
             peers = SubscriptionPeers(manager, view, FakePeers(net, member), net.ops[member], None, "secret")  # type: ignore[arg-type]
             manager.attach(peers)
-            service.subscriptions = manager
+            service = Service(supervisor, ServiceOptions())
+            service.serve_streams(Recovered(subscriptions=manager))
             nodes[member] = Node(service, manager, peers)
         for node in nodes.values():
             await nursery.start(node.manager.run)
@@ -300,7 +308,9 @@ async def test_an_ack_asking_a_hung_member_for_its_tail_does_not_hold_the_subscr
         net.hang("b")
         done = {"wake_id": lease["wake_id"], "generation": lease["generation"], "done": True,
                 "acks": [{"stream": task, "offset": newest}]}  # fmt: skip
-        headers = Headers([("Content-Type", "application/json"), ("Authorization", f"Bearer {lease['token']}")])
+        headers = Headers(
+            [("Content-Type", "application/json"), ("Authorization", f"Bearer {lease['token']}")]
+        )
         request = Request("POST", f"{SUBS}/{sub_id}/ack", "", headers, json.dumps(done).encode())
         acked: list[tuple[Response, float]] = []
 

@@ -313,7 +313,9 @@ def test_a_hung_member_costs_one_creation_5_s_then_creations_are_refused_at_once
     # SIGSTOP: b accepts connections and never answers. The creation that finds it out waits 5 s;
     # the next ones are refused at once (503, Retry-After) until b answers a probe again.
     hook = {"type": "webhook", "pattern": "jobs/*", "webhook": {"url": "http://127.0.0.1:9/hook"}}
-    ids = iter(i for i in (f"hung-{n}" for n in range(500)) if subscription_owner(cluster.placement, i).id == "a")
+    ids = iter(
+        i for i in (f"hung-{n}" for n in range(500)) if subscription_owner(cluster.placement, i).id == "a"
+    )
     b = cluster.members["b"].process
     with httpx.Client(base_url=cluster.direct("a"), timeout=20) as client:
         b.send_signal(signal.SIGSTOP)
@@ -331,7 +333,9 @@ def test_a_hung_member_costs_one_creation_5_s_then_creations_are_refused_at_once
         finally:
             b.send_signal(signal.SIGCONT)
         wait_for(
-            lambda: client.put(f"{CONTROL}subscriptions/{next(ids)}", headers=JSON, json=hook).status_code == 201,
+            lambda: (
+                client.put(f"{CONTROL}subscriptions/{next(ids)}", headers=JSON, json=hook).status_code == 201
+            ),
             seconds=30,
         )
         assert subscription_stats(cluster, "a")["cluster"]["members"]["b"]["down"] is None

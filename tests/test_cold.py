@@ -229,7 +229,9 @@ def test_archive_status_and_verify_find_orphans(tmp_path: Path, moto: Moto) -> N
     from streamkeep.cluster.placement import Member, Placement
 
     toml = tmp_path / "cluster.toml"
-    toml.write_text('[cluster]\nmembers = [{id = "a", address = "127.0.0.1:1"}, {id = "b", address = "127.0.0.1:2"}]\n')
+    toml.write_text(
+        '[cluster]\nmembers = [{id = "a", address = "127.0.0.1:1"}, {id = "b", address = "127.0.0.1:2"}]\n'
+    )
     placement = Placement.of([Member("a", "127.0.0.1:1"), Member("b", "127.0.0.1:2")], 1)
     theirs = next(n for n in (f"theirs{i}" for i in range(100)) if placement.owner(n).id == "b")
     ours = next(n for n in (f"ghost{i}" for i in range(100)) if placement.owner(n).id == "a")
@@ -240,8 +242,12 @@ def test_archive_status_and_verify_find_orphans(tmp_path: Path, moto: Moto) -> N
     clustered = [*command, "verify", *where, *bucket, "--config", str(toml), "--delete-orphans"]
     unnamed = subprocess.run(clustered, capture_output=True, text=True, env=env, timeout=60)
     assert unnamed.returncode == 2 and "--cluster-member" in unnamed.stderr
-    cleaned = subprocess.run([*clustered, "--cluster-member", "a"], capture_output=True, text=True, env=env, timeout=60)
-    assert "1 objects belong to other cluster members' streams" in cleaned.stdout, cleaned.stdout + cleaned.stderr
+    cleaned = subprocess.run(
+        [*clustered, "--cluster-member", "a"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert "1 objects belong to other cluster members' streams" in cleaned.stdout, (
+        cleaned.stdout + cleaned.stderr
+    )
     assert "deleted 1 orphaned objects" in cleaned.stdout
     assert moto.keys("archive", f"prod/streams/{ours}/") == []
     assert moto.keys("archive", f"prod/streams/{theirs}/") != []
@@ -340,10 +346,10 @@ async def test_objects_a_bucket_refuses_to_delete_are_retried(tmp_path: Path, mo
     import trio
 
     from streamkeep.protocol.stream import StreamMeta
-    from streamkeep.storage.archiver import Archiver
     from streamkeep.storage.base import AppendRecord, ByteBudget
-    from streamkeep.storage.coldstore import ColdConfig, S3Store
-    from streamkeep.storage.disk import DiskStorage
+    from streamkeep.storage.cold.archiver import Archiver
+    from streamkeep.storage.cold.store import ColdConfig, S3Store
+    from streamkeep.storage.disk.storage import DiskStorage
 
     for name, value in CREDENTIALS.items():
         os.environ.setdefault(name, value)

@@ -27,9 +27,17 @@ MATERIALIZE = ROOT / "conformance" / "materialize.mjs"
 
 def change(rng: random.Random, n: int) -> dict:
     operation = rng.choice(["insert", "update", "upsert", "delete", "update"])
-    message: dict = {"type": rng.choice(["user", "order"]), "key": f"k{rng.randrange(40)}", "headers": {"operation": operation}}
+    message: dict = {
+        "type": rng.choice(["user", "order"]),
+        "key": f"k{rng.randrange(40)}",
+        "headers": {"operation": operation},
+    }
     if operation != "delete":
-        message["value"] = {"n": n, "name": rng.choice(["ada", "grace", "édith", "linus"]), "score": rng.random()}
+        message["value"] = {
+            "n": n,
+            "name": rng.choice(["ada", "grace", "édith", "linus"]),
+            "score": rng.random(),
+        }
     return message
 
 
@@ -37,7 +45,9 @@ def reference(messages: list[bytes], tmp_path: Path) -> dict:
     """The state the reference materializer builds from `messages`."""
     path = tmp_path / f"messages-{time.monotonic_ns()}.json"
     path.write_text("[" + ",".join(m.decode() for m in messages) + "]")
-    result = subprocess.run(["node", str(MATERIALIZE), str(path)], capture_output=True, text=True, check=True, cwd=ROOT)
+    result = subprocess.run(
+        ["node", str(MATERIALIZE), str(path)], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     return json.loads(result.stdout)
 
 
@@ -66,7 +76,9 @@ def read_from(server: ServerProcess, name: str, offset: str = "-1") -> list[byte
         while True:
             response = client.get(f"/v1/stream/{name}", params={"offset": offset})
             assert response.status_code == 200, response.text
-            messages.extend(json.dumps(m, separators=(",", ":"), ensure_ascii=False).encode() for m in response.json())
+            messages.extend(
+                json.dumps(m, separators=(",", ":"), ensure_ascii=False).encode() for m in response.json()
+            )
             offset = response.headers["stream-next-offset"]
             if response.headers.get("stream-up-to-date") == "true":
                 return messages
@@ -108,7 +120,9 @@ def test_compaction_under_concurrent_appends_keeps_every_readers_state(
                 headers = dict(JSON)
                 if producer:
                     headers.update({"Producer-Id": "p", "Producer-Epoch": "1", "Producer-Seq": str(seq)})
-                response = client.post(f"/v1/stream/{name}", content=json.dumps(batch).encode(), headers=headers)
+                response = client.post(
+                    f"/v1/stream/{name}", content=json.dumps(batch).encode(), headers=headers
+                )
                 if response.status_code not in (200, 204):
                     errors.append(f"{response.status_code} {response.text}")
                     return
@@ -131,7 +145,9 @@ def test_compaction_under_concurrent_appends_keeps_every_readers_state(
     assert report["keys"] > 0 and report["messages_folded"] > 0 and report["history_bytes"] > 0
 
     from_floor = read_from(server, name)
-    assert json.loads(from_floor[0]) == {"headers": {"control": "snapshot-start", "offset": report["snapshot_offset"]}}
+    assert json.loads(from_floor[0]) == {
+        "headers": {"control": "snapshot-start", "offset": report["snapshot_offset"]}
+    }
     earliest = httpx.head(f"{server.url}/v1/stream/{name}").headers["stream-earliest-offset"]
     assert earliest == report["snapshot_offset"]
     below = httpx.get(f"{server.url}/v1/stream/{name}", params={"offset": report["floor_before"]})
@@ -153,7 +169,9 @@ def test_messages_not_of_the_protocol_stop_compaction_unless_dropped(
     url = f"{server.url}/v1/stream/mixed"
     assert httpx.put(url, headers=JSON).status_code == 201
     good = {"type": "t", "key": "a", "value": 1, "headers": {"operation": "insert"}}
-    assert httpx.post(url, content=json.dumps([good, {"hello": "world"}, good]), headers=JSON).status_code == 204
+    assert (
+        httpx.post(url, content=json.dumps([good, {"hello": "world"}, good]), headers=JSON).status_code == 204
+    )
     refused = compact(server, "mixed")
     assert refused.returncode == 1 and "not a State Protocol message" in refused.stderr
     assert httpx.head(url).headers["stream-earliest-offset"].endswith("_0000000000000000")  # nothing moved
@@ -161,7 +179,9 @@ def test_messages_not_of_the_protocol_stop_compaction_unless_dropped(
     assert dropped.returncode == 0, dropped.stderr
     assert json.loads(dropped.stdout)["messages_dropped"] == 1
     # Text streams and closed streams are not compacted; neither are missing ones.
-    assert httpx.put(f"{server.url}/v1/stream/text", headers={"Content-Type": "text/plain"}).status_code == 201
+    assert (
+        httpx.put(f"{server.url}/v1/stream/text", headers={"Content-Type": "text/plain"}).status_code == 201
+    )
     assert "only JSON streams" in compact(server, "text").stderr
     assert compact(server, "never-made").returncode == 1
 
@@ -179,19 +199,29 @@ def test_fold_rules() -> None:
     assert fold.view() == {"u": {"a": 2, "b": None}}
     fold.apply(b'{"headers": {"control": "reset"}}')
     assert fold.view() == {}
-    for bad in (b"[]", b'{"headers": {"operation": "merge"}, "type": "u", "key": "a"}', b'{"type": "u"}', b"nope"):
+    for bad in (
+        b"[]",
+        b'{"headers": {"operation": "merge"}, "type": "u", "key": "a"}',
+        b'{"type": "u"}',
+        b"nope",
+    ):
         with pytest.raises(NotStateMessage):
             StateFold().apply(bad)
     snapshot = StateFold()
     snapshot.apply(b'{"type":"u","key":"a","value":{"x":1},"headers":{"operation":"insert"}}')
     lines = [json.loads(m) for m in snapshot.snapshot("0_5")]
-    assert lines[0]["headers"]["control"] == "snapshot-start" and lines[-1]["headers"]["control"] == "snapshot-end"
+    assert (
+        lines[0]["headers"]["control"] == "snapshot-start"
+        and lines[-1]["headers"]["control"] == "snapshot-end"
+    )
     assert lines[1] == {"type": "u", "key": "a", "value": {"x": 1}, "headers": {"operation": "insert"}}
 
 
 def test_a_rule_compacts_when_history_outgrows_the_snapshot(tmp_path: Path) -> None:
     config = tmp_path / "streamkeep.toml"
-    config.write_text('[[retention]]\nstreams = "auto/**"\ncompact = "state"\ncompact_ratio = 2\ncompact_min_bytes = 2000\n')
+    config.write_text(
+        '[[retention]]\nstreams = "auto/**"\ncompact = "state"\ncompact_ratio = 2\ncompact_min_bytes = 2000\n'
+    )
     server = start("--storage", "disk", "--data-dir", str(tmp_path / "d"), "--config", str(config),
                    "--retention-interval", "0.2")  # fmt: skip
     try:
@@ -201,7 +231,10 @@ def test_a_rule_compacts_when_history_outgrows_the_snapshot(tmp_path: Path) -> N
 
         def append(count: int) -> None:
             for n in range(count):
-                assert httpx.post(url, content=json.dumps(change(rng, n)).encode(), headers=JSON).status_code == 204
+                assert (
+                    httpx.post(url, content=json.dumps(change(rng, n)).encode(), headers=JSON).status_code
+                    == 204
+                )
 
         def compactions() -> int:
             return httpx.get(f"{server.url}/stats").json()["compaction"]["compactions"]

@@ -17,7 +17,7 @@ from streamkeep.protocol.stream import StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 from streamkeep.storage.base import AppendRecord, ByteBudget
-from streamkeep.storage.disk import DiskStorage
+from streamkeep.storage.disk.storage import DiskStorage
 from streamkeep.storage.errors import StorageUnavailable
 from tests.conftest import segment_files
 from tests.faultyfs import FaultyFS, enospc, half_then_enospc
@@ -239,7 +239,7 @@ def test_segment_files_are_self_describing(tmp_path: Path) -> None:
 async def test_disk_full_answers_507_json_and_reads_go_on(tmp_path: Path) -> None:
     from streamkeep.actors.supervisor import Supervisor
     from streamkeep.protocol.model import Headers, Request
-    from streamkeep.service import Service, ServiceOptions
+    from streamkeep.server.service import Service, ServiceOptions
 
     fs = FaultyFS()
     storage = DiskStorage(

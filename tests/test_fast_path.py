@@ -28,11 +28,12 @@ import trio.testing
 
 from ops.serverproc import ServerProcess, start
 from streamkeep.actors.mailbox import NotNow
-from streamkeep.actors.stream_actor import StreamActor
+from streamkeep.actors.messages import Append, Create, Read
+from streamkeep.actors.stream_ops import HANDLERS, StreamOps
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.http.edge import Connections
 from streamkeep.http.h2_encoder import ResponseEncoder
-from streamkeep.http.h2_requests import malformed
+from streamkeep.http.h2_validate import malformed
 from streamkeep.protocol.cors import Cors
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers
@@ -44,40 +45,40 @@ def new_supervisor(nursery: trio.Nursery) -> Supervisor:
     return Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), nursery)
 
 
-def append(body: bytes) -> AppendSpec:
-    return AppendSpec.from_request(Headers([("Content-Type", "text/plain")]), body)
+def append(body: bytes) -> Append:
+    return Append(AppendSpec.from_request(Headers([("Content-Type", "text/plain")]), body))
 
 
 async def test_a_direct_call_never_overtakes_a_queued_message(monkeypatch: pytest.MonkeyPatch) -> None:
     """While the actor is busy or has messages queued, `call_now` refuses; appends sent through
     the mailbox and appends that arrive later land in the order they were made."""
     gate = trio.Event()
-    original = StreamActor.create
+    original = HANDLERS[Create]
 
-    async def slow_create(self: StreamActor, spec: CreateSpec) -> object:
+    async def slow_create(ops: StreamOps, message: Create) -> object:
         await gate.wait()
-        return await original(self, spec)
+        return await original(ops, message)
 
     async with trio.open_nursery() as nursery:
         supervisor = new_supervisor(nursery)
         create = CreateSpec.from_request(Headers([("Content-Type", "text/plain")]), b"")
-        await supervisor.call("s", "create", create, must_exist=False)
-        assert supervisor.call_now("s", "append", append(b"a")).commit.done  # idle: taken at once
-        monkeypatch.setattr(StreamActor, "create", slow_create)
-        nursery.start_soon(supervisor.call, "s", "create", create)  # the actor is busy with this one
+        await supervisor.call("s", Create(create), must_exist=False)
+        assert supervisor.call_now("s", append(b"a")).commit.done  # idle: taken at once
+        monkeypatch.setitem(HANDLERS, Create, slow_create)
+        nursery.start_soon(supervisor.call, "s", Create(create))  # the actor is busy with this one
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(NotNow):
-            supervisor.call_now("s", "append", append(b"x"))
+            supervisor.call_now("s", append(b"x"))
         order: list[bytes] = []
 
         async def send(body: bytes) -> None:
-            await (await supervisor.call("s", "append", append(body))).wait()
+            await (await supervisor.call("s", append(body))).wait()
             order.append(body)
 
         nursery.start_soon(send, b"b")  # queued behind the slow create
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(NotNow):
-            supervisor.call_now("s", "append", append(b"x"))
+            supervisor.call_now("s", append(b"x"))
         gate.set()
         # Step through every point of the actor's way from the create to "b" (including the
         # moment it has taken "b" from the mailbox but not begun it): wherever a direct call is
@@ -86,13 +87,13 @@ async def test_a_direct_call_never_overtakes_a_queued_message(monkeypatch: pytes
         for step in range(100):
             await trio.lowlevel.checkpoint()
             try:
-                supervisor.call_now("s", "append", append(b"c%02d" % step))
+                supervisor.call_now("s", append(b"c%02d" % step))
             except NotNow:
                 continue
             direct.append(b"c%02d" % step)
         await trio.testing.wait_all_tasks_blocked()
         assert order == [b"b"] and direct
-        plan = await supervisor.call("s", "read", "-1", True)
+        plan = await supervisor.call("s", Read("-1", True))
         read = await plan.log.read(0, 1 << 16, whole_messages=False)
         assert b"".join(read.messages) == b"ab" + b"".join(direct)
         nursery.cancel_scope.cancel()
@@ -102,15 +103,15 @@ async def test_an_expired_stream_goes_the_long_way_and_is_removed() -> None:
     async with trio.open_nursery() as nursery:
         supervisor = new_supervisor(nursery)
         create = CreateSpec.from_request(Headers([("Content-Type", "text/plain"), ("Stream-TTL", "60")]), b"")
-        await supervisor.call("s", "create", create, must_exist=False)
+        await supervisor.call("s", Create(create), must_exist=False)
         log = supervisor.storage.open("s")
         assert log is not None
         log.meta.last_access -= 120  # expired a minute ago
         with pytest.raises(NotNow):
-            supervisor.call_now("s", "append", append(b"late"))
+            supervisor.call_now("s", append(b"late"))
         assert supervisor.storage.open("s") is log, "the direct call changed nothing"
         with pytest.raises(ProtocolError) as refused:
-            await supervisor.call("s", "append", append(b"late"))
+            await supervisor.call("s", append(b"late"))
         assert refused.value.status == 404
         assert supervisor.storage.open("s") is None
         nursery.cancel_scope.cancel()
@@ -200,7 +201,10 @@ def test_a_malformed_h2_request_resets_its_stream_and_the_connection_goes_on(
     path = f"/v1/stream/fast-{time.time_ns()}"
     assert httpx.put(lean_server.url + path, headers={"Content-Type": "text/plain"}).status_code == 201
     config = h2.config.H2Configuration(
-        client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False
+        client_side=True,
+        header_encoding=None,
+        validate_outbound_headers=False,
+        normalize_outbound_headers=False,
     )
     conn = h2.connection.H2Connection(config)
     conn.initiate_connection()

@@ -18,9 +18,10 @@ import pytest
 from ops.client import read_all
 from ops.serverproc import start
 from streamkeep.segments import layout
-from streamkeep.storage import files, migrate
-from streamkeep.storage.coldstore import ColdConfig, S3Store
-from streamkeep.storage.directory import DataDirectory
+from streamkeep.storage import files
+from streamkeep.storage.cold import migrate
+from streamkeep.storage.cold.store import ColdConfig, S3Store
+from streamkeep.storage.disk.directory import DataDirectory
 from tests.test_cold import CREDENTIALS, Moto
 
 FIXTURE = Path(__file__).parent / "fixtures" / "format-v1"

@@ -19,8 +19,8 @@ import trio
 
 from ops.run_conformance import make_certificates
 from ops.serverproc import ServerProcess, start
+from streamkeep.http.accept import serve_connection
 from streamkeep.http.edge import Connections, EdgeLimits, hung_up
-from streamkeep.http.lean import serve_connection
 from tests.conftest import assert_alive
 from tests.mounts import open_fds
 
@@ -174,7 +174,7 @@ async def test_a_genuine_connection_failure_is_still_logged(caplog: pytest.LogCa
             pass
 
     limits = EdgeLimits(max_body_bytes=1 << 20, body_timeout=5.0, h2_max_concurrent_streams=10, budget=None)  # type: ignore[arg-type]
-    with caplog.at_level(logging.DEBUG, logger="streamkeep.http.lean"):
+    with caplog.at_level(logging.DEBUG, logger="streamkeep.http.accept"):
         await serve_connection(Broken(), None, limits, Connections(), None)  # type: ignore[arg-type]
     failures = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert (

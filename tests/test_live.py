@@ -16,12 +16,13 @@ import trio
 import trio.testing
 
 from ops.serverproc import ServerProcess, start
-from streamkeep.actors.stream_actor import StreamView
+from streamkeep.actors.reads import ReadView
+from streamkeep.actors.replies import StreamView
 from streamkeep.actors.supervisor import Supervisor
-from streamkeep.live import LiveStream, ReadView
 from streamkeep.protocol.model import Headers, Request
 from streamkeep.protocol.stream import StreamMeta
-from streamkeep.service import Service, ServiceOptions
+from streamkeep.server.fanout import LiveStream
+from streamkeep.server.service import Service, ServiceOptions
 from streamkeep.storage.memory import MemoryStorage
 
 
@@ -305,27 +306,27 @@ def test_live_stream_keeps_a_bounded_window_and_never_keeps_an_empty_open_read()
         batches = []
         position = 0
         for _ in range(4):
-            batch = await live.batch_at(position)
+            batch = await live.change_at(position)
             assert batch is not None
             batches.append(batch)
             position = batch.view.next_position
         assert [b.view.messages[0] for b in batches] == log
         assert reads == [0, 10, 20, 30]
         # Another reader asking for a kept change gets the same object, with no read.
-        assert await live.batch_at(30) is batches[3]
+        assert await live.change_at(30) is batches[3]
         assert reads == [0, 10, 20, 30]
         # The window holds 20 bytes: the first changes are gone, so a reader there reads alone.
         assert live.kept(0) is None and live.kept(10) is None and live.kept(20) is batches[2]
-        assert await live.batch_at(0) is None
+        assert await live.change_at(0) is None
         # At the tail with nothing new: no read at all, readers wait.
         assert live.unchanged_at(40) is not None
-        assert await live.batch_at(40) is None
+        assert await live.change_at(40) is None
         assert reads == [0, 10, 20, 30]
         # A wake with nothing new (say, shutdown) reads once; the empty read is never kept, so it
         # cannot stand in for the data that arrives at that position later.
         live._latest.changed.set()  # type: ignore[union-attr]
         assert live.unchanged_at(40) is None
-        empty = await live.batch_at(40)
+        empty = await live.change_at(40)
         assert empty is not None and empty.view.messages == []
         assert live.kept(40) is None and reads == [0, 10, 20, 30, 40]
         encoded = batches[3].encoded("k", lambda: b"once")
@@ -395,7 +396,7 @@ async def test_a_long_poll_at_now_whose_stream_expires_and_is_created_again_is_a
     incarnation's token at the old tail, past the new stream's tail: the client got 400
     `offset_out_of_range` for an offset it never sent. The stream it waited on is gone: 404."""
     now = [1_700_000_000.0]
-    monkeypatch.setattr("streamkeep.actors.stream_actor.time.time", lambda: now[0])
+    monkeypatch.setattr("streamkeep.actors.stream_ops.time.time", lambda: now[0])
     async with trio.open_nursery() as nursery:
         service = Service(
             Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), nursery),

@@ -56,7 +56,10 @@ def test_metrics_move_with_appends_readers_and_commits(disk_server: tuple[Server
     with httpx.Client(base_url=server.url, timeout=10) as client:
         assert client.put("/v1/stream/m/a", headers=JSON).status_code == 201
         for n in range(5):
-            assert client.post("/v1/stream/m/a", content=json.dumps({"n": n}).encode(), headers=JSON).status_code == 204
+            assert (
+                client.post("/v1/stream/m/a", content=json.dumps({"n": n}).encode(), headers=JSON).status_code
+                == 204
+            )
         held = threading.Event()
         done = threading.Event()
 
@@ -80,13 +83,24 @@ def test_metrics_move_with_appends_readers_and_commits(disk_server: tuple[Server
         thread.join(10)
     after = scrape(server.url)
     assert value(after, "streamkeep_appends_total") - value(before, "streamkeep_appends_total") == 5
-    assert value(after, "streamkeep_appended_bytes_total") - value(before, "streamkeep_appended_bytes_total") == 5 * len(b'{"n": 0}')
-    rounds = value(after, "streamkeep_commit_round_seconds_count") - value(before, "streamkeep_commit_round_seconds_count")
+    assert value(after, "streamkeep_appended_bytes_total") - value(
+        before, "streamkeep_appended_bytes_total"
+    ) == 5 * len(b'{"n": 0}')
+    rounds = value(after, "streamkeep_commit_round_seconds_count") - value(
+        before, "streamkeep_commit_round_seconds_count"
+    )
     assert 1 <= rounds <= 6  # one round per append here (they came one by one), plus the create
-    assert value(after, "streamkeep_commit_round_records_sum") - value(before, "streamkeep_commit_round_records_sum") >= 5
+    assert (
+        value(after, "streamkeep_commit_round_records_sum")
+        - value(before, "streamkeep_commit_round_records_sum")
+        >= 5
+    )
     assert value(after, "streamkeep_live_readers", mode="long-poll") == 0
     appends = total(after, "streamkeep_http_requests_total", method="POST", route="append", status="204")
-    assert appends - total(before, "streamkeep_http_requests_total", method="POST", route="append", status="204") == 5
+    assert (
+        appends - total(before, "streamkeep_http_requests_total", method="POST", route="append", status="204")
+        == 5
+    )
     assert total(after, "streamkeep_http_request_duration_seconds_count", route="live_read") >= 1
     assert value(after, "streamkeep_streams") >= 1
     assert value(after, "streamkeep_stored_bytes", tier="hot") > 0
@@ -156,13 +170,12 @@ async def test_streams_wait_for_recovery_while_probes_answer() -> None:
 
     from streamkeep.actors.supervisor import Supervisor
     from streamkeep.protocol.model import Headers, Request
-    from streamkeep.service import Service, ServiceOptions
+    from streamkeep.server.service import Recovered, Service, ServiceOptions
     from streamkeep.storage.memory import MemoryStorage
 
     async with trio.open_nursery() as nursery:
         service = Service(Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 20), nursery),
-                          ServiceOptions())  # fmt: skip
-        service.not_ready = "recovering streams from the data directory"
+                          ServiceOptions(), recovering="recovering streams from the data directory")  # fmt: skip
         put = Request("PUT", "/v1/stream/a", headers=Headers([("Content-Type", "text/plain")]))
         refused = await service.handle(put)
         assert refused.status == 503 and refused.header("Retry-After") == "1"
@@ -170,7 +183,7 @@ async def test_streams_wait_for_recovery_while_probes_answer() -> None:
         ready = await service.handle(Request("GET", "/readyz"))
         assert ready.status == 503 and "recovering" in json.loads(ready.body)["reason"]
         assert (await service.handle(Request("GET", "/healthz"))).status == 200
-        service.not_ready = None
+        service.serve_streams(Recovered())
         assert (await service.handle(put)).status == 201
         assert (await service.handle(Request("GET", "/readyz"))).status == 200
         nursery.cancel_scope.cancel()

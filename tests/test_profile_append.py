@@ -15,9 +15,11 @@ PID = 4242
 MAIN = f"thread ({PID}): MainThread"
 WORKER = "thread (4250): Trio thread 0"
 LOOP = "_run_module_as_main (<frozen runpy>:198);run (trio/_core/_run.py:2532);unrolled_run (trio/_core/_run.py:2866)"
-H1 = f"{LOOP};serve_connection (streamkeep/http/lean.py:85);serve_h1 (streamkeep/http/lean.py:150)"
-APPEND = f"{H1};Service.handle (streamkeep/service.py:140);Service.begin (streamkeep/service.py:160)"
-NOW = f"{APPEND};Supervisor.call_now (streamkeep/actors/supervisor.py:90);StreamActor.call_now (streamkeep/actors/stream_actor.py:157)"
+H1 = f"{LOOP};serve_connection (streamkeep/http/accept.py:85);serve_h1 (streamkeep/http/h1_connection.py:150)"
+APPEND = (
+    f"{H1};Service.handle (streamkeep/server/service.py:140);Service.begin (streamkeep/server/service.py:160)"
+)
+NOW = f"{APPEND};Supervisor.call_now (streamkeep/actors/supervisor.py:90);StreamActor.call_now (streamkeep/actors/actor.py:78)"
 
 
 def one(line: str) -> pa.Stack:
@@ -31,11 +33,11 @@ def component(line: str) -> str:
 
 
 def test_parse_raw_reads_threads_frames_and_counts() -> None:
-    text = f"{MAIN};{H1};RequestReader.feed (streamkeep/http/h1.py:131) 7\n{WORKER};Thread.run (threading.py:982) 2\n\n"
+    text = f"{MAIN};{H1};RequestReader.feed (streamkeep/http/h1_parser.py:131) 7\n{WORKER};Thread.run (threading.py:982) 2\n\n"
     main, worker = pa.parse_raw(text)
     assert (main.thread, main.tid, main.count) == ("MainThread", PID, 7)
     assert main.frames[0] == pa.Frame("_run_module_as_main", "<frozen runpy>", 198)  # a file with a space
-    assert main.frames[-1] == pa.Frame("RequestReader.feed", "streamkeep/http/h1.py", 131)
+    assert main.frames[-1] == pa.Frame("RequestReader.feed", "streamkeep/http/h1_parser.py", 131)
     assert (worker.thread, worker.tid, worker.count) == ("Trio thread 0", 4250, 2)
     bare = one("main (app.py:3);_make.<locals>.wrapper (trio/_socket.py) 1")  # no thread, no line
     assert (bare.thread, bare.tid) == ("", None)
@@ -43,22 +45,27 @@ def test_parse_raw_reads_threads_frames_and_counts() -> None:
 
 
 def test_llhttp_under_the_h1_reader_is_http1_parsing() -> None:
-    line = f"{MAIN};{H1};RequestReader._receive_until (streamkeep/http/h1.py:181);RequestReader.feed (streamkeep/http/h1.py:131);feed_data (httptools/parser/parser.pyx:194) 5"
+    line = f"{MAIN};{H1};RequestReader._read_until (streamkeep/http/h1_parser.py:181);RequestReader.feed (streamkeep/http/h1_parser.py:131);feed_data (httptools/parser/parser.pyx:194) 5"
     assert component(line) == pa.HTTP1
     # A callback llhttp makes into our reader is parsing too.
-    assert component(f"{MAIN};{H1};RequestReader.on_header (streamkeep/http/h1.py:100) 1") == pa.HTTP1
+    assert component(f"{MAIN};{H1};RequestReader.on_header (streamkeep/http/h1_parser.py:100) 1") == pa.HTTP1
 
 
 def test_the_edges_own_reads_and_writes_are_socket_io() -> None:
-    read = f"{MAIN};{H1};RequestReader._read_until (streamkeep/http/h1.py:190);receive (streamkeep/http/sockets.py:28) 4"
+    read = f"{MAIN};{H1};RequestReader._read_until (streamkeep/http/h1_parser.py:190);receive (streamkeep/http/sockets.py:28) 4"
     assert component(read) == pa.SOCKET
     # The parsing that follows the read is not.
-    assert component(f"{MAIN};{H1};RequestReader._read_until (streamkeep/http/h1.py:192);RequestReader.feed (streamkeep/http/h1.py:131) 1") == pa.HTTP1
+    assert (
+        component(
+            f"{MAIN};{H1};RequestReader._read_until (streamkeep/http/h1_parser.py:192);RequestReader.feed (streamkeep/http/h1_parser.py:131) 1"
+        )
+        == pa.HTTP1
+    )
 
 
 def test_trio_called_from_storage_is_trio_scheduling() -> None:
     line = (
-        f"{MAIN};{NOW};StreamActor._append_now (streamkeep/actors/stream_actor.py:474);"
+        f"{MAIN};{NOW};StreamOps.append_now (streamkeep/actors/stream_ops.py:108);"
         "MemoryLog.submit (streamkeep/storage/memory.py:99);resolved (streamkeep/storage/base.py:90);"
         "Commit.resolve (streamkeep/storage/base.py:66);Event.set (trio/_sync.py:80);"
         "reschedule (trio/_core/_generated_run.py:124);Runner.reschedule (trio/_core/_run.py:1919) 3"
@@ -70,8 +77,8 @@ def test_trio_called_from_storage_is_trio_scheduling() -> None:
 
 def test_generated_and_stdlib_frames_belong_to_their_caller() -> None:
     line = (
-        f"{MAIN};{NOW};StreamActor._append_now (streamkeep/actors/stream_actor.py:474);"
-        "StreamActor._plan_append (streamkeep/actors/stream_actor.py:497);copy_meta (streamkeep/protocol/stream.py:370);"
+        f"{MAIN};{NOW};StreamOps.append_now (streamkeep/actors/stream_ops.py:108);"
+        "StreamOps._plan_append (streamkeep/actors/stream_ops.py:165);copy_meta (streamkeep/protocol/stream.py:370);"
         "replace (dataclasses.py:1453);__create_fn__.<locals>.__init__ (<string>:3) 2"
     )
     assert component(line) == pa.PLANNING
@@ -89,23 +96,21 @@ def test_a_stack_of_the_standard_library_alone_is_other() -> None:
 def test_functions_of_shared_files_go_by_function() -> None:
     actor = f"{MAIN};{NOW}"
     assert component(actor + " 1") == pa.HANDOFF
-    assert (
-        component(f"{actor};StreamActor._append_now (streamkeep/actors/stream_actor.py:474) 1") == pa.PLANNING
-    )
-    assert component(f"{actor};StreamActor._notify (streamkeep/actors/stream_actor.py:231) 1") == pa.PUBLISH
+    assert component(f"{actor};StreamOps.append_now (streamkeep/actors/stream_ops.py:108) 1") == pa.PLANNING
+    assert component(f"{actor};StreamOps._notify (streamkeep/actors/stream_ops.py:205) 1") == pa.PUBLISH
     service = f"{MAIN};{APPEND}"
     assert component(f"{service};AppendSpec.from_request (streamkeep/protocol/stream.py:194) 1") == pa.HEADERS
     assert component(f"{service};AppendOutcome.headers (streamkeep/protocol/stream.py:230) 1") == pa.RESPONSE
     assert component(f"{service};encode (streamkeep/protocol/offsets.py:50) 1") == pa.RESPONSE
     assert component(f"{service};Headers.get (streamkeep/protocol/model.py:34) 1") == pa.HEADERS
-    assert component(f"{service};classify (streamkeep/routes.py:83) 1") == pa.ROUTING
+    assert component(f"{service};classify (streamkeep/protocol/routes.py:83) 1") == pa.ROUTING
     assert component(f"{service} 1") == pa.RESPONSE
-    assert component(f"{MAIN};{H1};_send (streamkeep/http/lean.py:233) 1") == pa.SOCKET
-    assert component(f"{MAIN};{H1};_encode (streamkeep/http/lean.py:270) 1") == pa.HTTP1
+    assert component(f"{MAIN};{H1};_send (streamkeep/http/h1_connection.py:233) 1") == pa.SOCKET
+    assert component(f"{MAIN};{H1};encode (streamkeep/http/h1_writer.py:40) 1") == pa.HTTP1
     assert component(f"{MAIN};{H1} 1") == pa.GLUE
-    h2 = f"{MAIN};{LOOP};_H2Connection.run (streamkeep/http/lean_h2.py:130);_H2Connection.handle (streamkeep/http/lean_h2.py:160)"
-    assert component(f"{h2};malformed (streamkeep/http/h2_requests.py:40) 1") == pa.HTTP2
-    assert component(f"{h2};_H2Connection.write_queued (streamkeep/http/lean_h2.py:396) 1") == pa.SOCKET
+    h2 = f"{MAIN};{LOOP};_H2Connection.run (streamkeep/http/h2_connection.py:130);_H2Connection.handle (streamkeep/http/h2_connection.py:160)"
+    assert component(f"{h2};malformed (streamkeep/http/h2_validate.py:40) 1") == pa.HTTP2
+    assert component(f"{h2};_H2Connection.write_queued (streamkeep/http/h2_connection.py:396) 1") == pa.SOCKET
 
 
 def test_waits_and_empty_stacks_are_left_out() -> None:
@@ -123,7 +128,7 @@ def test_waits_and_empty_stacks_are_left_out() -> None:
     )
     assert component(f"{MAIN} 3") == pa.EMPTY
     # Only as the innermost frame: trio's loop below other work is not a wait.
-    line = f"{MAIN};run (trio/_core/_run.py:2535);EpollIOManager.get_events (trio/_core/_io_epoll.py:243);Service.begin (streamkeep/service.py:160) 1"
+    line = f"{MAIN};run (trio/_core/_run.py:2535);EpollIOManager.get_events (trio/_core/_io_epoll.py:243);Service.begin (streamkeep/server/service.py:160) 1"
     assert component(line) == pa.RESPONSE
 
 
@@ -161,10 +166,10 @@ def _qualified_names(tree: ast.Module) -> set[str]:
 
 def test_breakdown_splits_each_thread_pools_cpu_by_its_own_samples() -> None:
     text = "\n".join([
-        f"{MAIN};{H1};RequestReader.feed (streamkeep/http/h1.py:131) 30",
-        f"{MAIN};{H1};_send (streamkeep/http/lean.py:233) 10",
+        f"{MAIN};{H1};RequestReader.feed (streamkeep/http/h1_parser.py:131) 30",
+        f"{MAIN};{H1};_send (streamkeep/http/h1_connection.py:233) 10",
         f"{MAIN};run (trio/_core/_run.py:2535);EpollIOManager.get_events (trio/_core/_io_epoll.py:243) 50",
-        f"{WORKER};Thread.run (threading.py:982);Committer._write_group (streamkeep/storage/committer.py:138);SegmentWriter.write (streamkeep/storage/writer.py:175) 90",
+        f"{WORKER};Thread.run (threading.py:982);Committer._write_group (streamkeep/storage/disk/committer.py:138);SegmentWriter.write (streamkeep/storage/disk/writer.py:175) 90",
         f"{WORKER};Thread.run (threading.py:982);to_thread_run_sync.<locals>.worker_fn (trio/_threads.py:392) 10",
     ])  # fmt: skip
     result = pa.breakdown(pa.parse_raw(text), PID, pa.Cpu(80.0, sys_us=20.0), pa.Cpu(20.0, sys_us=18.0))
@@ -175,7 +180,7 @@ def test_breakdown_splits_each_thread_pools_cpu_by_its_own_samples() -> None:
     assert sum(result.us.values()) == pytest.approx(100.0)
     assert result.left_out == {pa.IDLE: 50, pa.EMPTY: 0}
     assert result.threads == {"MainThread": 40, "Trio thread 0": 100}
-    assert result.top[0] == ("RequestReader.feed (streamkeep/http/h1.py)", 30, pytest.approx(60.0))
+    assert result.top[0] == ("RequestReader.feed (streamkeep/http/h1_parser.py)", 30, pytest.approx(60.0))
     assert result.unsampled_us == 0.0
     # Other threads' CPU with no samples to split it by is not dropped: it is "other".
     alone = pa.breakdown(pa.parse_raw(text.split("\n")[0]), PID, pa.Cpu(80.0), pa.Cpu(5.0))
@@ -187,8 +192,8 @@ def test_kernel_time_goes_to_samples_in_syscalls_and_user_time_to_the_rest() -> 
     """A sampler that lands on syscalls twice as often as they take CPU is corrected by /proc's
     split: here half the samples are in os.write, but the kernel took a quarter of the CPU."""
     text = "\n".join([
-        f"{MAIN};{H1};RequestReader.feed (streamkeep/http/h1.py:131) 30",
-        f"{MAIN};{H1};_send (streamkeep/http/lean.py:233) 20",
+        f"{MAIN};{H1};RequestReader.feed (streamkeep/http/h1_parser.py:131) 30",
+        f"{MAIN};{H1};_send (streamkeep/http/h1_connection.py:233) 20",
         f"{MAIN};{H1};_wait (trio/_core/_io_epoll.py:290);EpollIOManager._update_registrations (trio/_core/_io_epoll.py:275) 10",
         f"{MAIN};{H1};Runner.reschedule (trio/_core/_run.py:1919) 40",
     ])  # fmt: skip
@@ -214,7 +219,7 @@ def _combination(name: str, us: list[float]) -> pa.Combination:
     total = sum(us)
     clean = pa.Pass(ok=30_000, failed=0, seconds=3.0, cpu_us=total, main_us=total, other_us=0.0)
     result = pa.Breakdown(
-        values, dict.fromkeys(pa.COMPONENTS, 1), [("serve_h1 (streamkeep/http/lean.py)", 9, 7.0)],
+        values, dict.fromkeys(pa.COMPONENTS, 1), [("serve_h1 (streamkeep/http/h1_connection.py)", 9, 7.0)],
         {pa.IDLE: 0, pa.EMPTY: 0}, {"MainThread": 15},
     )  # fmt: skip
     return pa.Combination(storage, protocol, clean, clean, result, {"samples": 15, "errors": 2})

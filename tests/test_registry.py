@@ -146,13 +146,18 @@ def test_it_lists_exactly_the_live_streams_after_creates_deletes_forks_and_expir
 
 def test_entries_are_byte_for_byte_what_upstream_writes() -> None:
     with serving("--storage", "memory") as (_, client):
-        assert client.put("/v1/stream/chat/room-1", headers={"Content-Type": "text/plain; charset=utf-8"}).status_code == 201
+        assert (
+            client.put(
+                "/v1/stream/chat/room-1", headers={"Content-Type": "text/plain; charset=utf-8"}
+            ).status_code
+            == 201
+        )
         assert client.delete("/v1/stream/chat/room-1").status_code == 204
         body = client.get(REGISTRY, params={"offset": "-1"}).content
         created_at = json.loads(body)[0]["value"]["createdAt"]
         assert body == (
             b'[{"type":"stream","key":"chat/room-1","value":{"path":"chat/room-1",'
-            b'"contentType":"text/plain; charset=utf-8","createdAt":' + str(created_at).encode() + b'},'
+            b'"contentType":"text/plain; charset=utf-8","createdAt":' + str(created_at).encode() + b"},"
             b'"headers":{"operation":"insert"}},'
             b'{"type":"stream","key":"chat/room-1","headers":{"operation":"delete"}}]'
         )
@@ -173,7 +178,11 @@ def test_the_name_is_reserved() -> None:
         assert client.put("/v1/stream/src", headers=TEXT).status_code == 201
         refused = [
             client.put(REGISTRY, headers=JSON),
-            client.post(REGISTRY, headers=JSON, content=b'{"type":"stream","key":"x","headers":{"operation":"delete"}}'),
+            client.post(
+                REGISTRY,
+                headers=JSON,
+                content=b'{"type":"stream","key":"x","headers":{"operation":"delete"}}',
+            ),
             client.post(REGISTRY, headers={"Stream-Closed": "true"}),
             client.delete(REGISTRY),
             client.put(REGISTRY, headers={"Stream-Forked-From": "/v1/stream/src"}),
@@ -228,7 +237,9 @@ def test_no_registry_frees_the_name_and_a_stream_so_named_is_refused_or_adopted(
 
 def test_a_kill_between_a_change_and_its_entry_is_repaired_at_start(tmp_path: Path) -> None:
     def crashing(marker: str) -> ServerProcess:
-        return launch([sys.executable, "-m", "tests.crashing_server", marker, "serve", "--port", "0", *disk(tmp_path)])
+        return launch(
+            [sys.executable, "-m", "tests.crashing_server", marker, "serve", "--port", "0", *disk(tmp_path)]
+        )
 
     server = crashing('"key":"victim","value"')  # killed as it writes victim's insert
     with httpx.Client(base_url=server.url, timeout=10) as client:

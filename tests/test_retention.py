@@ -13,10 +13,12 @@ import httpx
 import trio
 
 from ops.serverproc import start
+from streamkeep.actors.messages import DetachFork
 from streamkeep.protocol import offsets
 from streamkeep.segments import layout
-from streamkeep.storage.disk import DiskStorage
-from streamkeep.storage.retention import Retention, RetentionRule
+from streamkeep.storage.cold.bookkeeping import record_upload
+from streamkeep.storage.disk.retention import Retention, RetentionRule
+from streamkeep.storage.disk.storage import DiskStorage
 from tests.test_sim_storage import ROOT, T, call, new_fs, server
 
 SMALL = {"segment_max_messages": 2}
@@ -54,8 +56,12 @@ async def test_size_retention_moves_the_floor_and_answers_410_below_it() -> None
         earliest = head.header("Stream-Earliest-Offset")
         assert earliest == offsets.encode(stream_log.floor, stream_log.meta.incarnation)
         everything = await call(service, "GET", "s", query="offset=-1")
-        assert everything.status == 200 and everything.body.startswith(f"m{stream_log.floor // 5:03d};".encode())
-        gone = await call(service, "GET", "s", query=f"offset={offsets.encode(0, stream_log.meta.incarnation)}")
+        assert everything.status == 200 and everything.body.startswith(
+            f"m{stream_log.floor // 5:03d};".encode()
+        )
+        gone = await call(
+            service, "GET", "s", query=f"offset={offsets.encode(0, stream_log.meta.incarnation)}"
+        )
         assert gone.status == 410 and gone.header("Stream-Earliest-Offset") == earliest
         assert json.loads(gone.body)["error"]["code"] == "offset_before_floor"
         from_floor = await call(service, "GET", "s", query=f"offset={earliest}")
@@ -74,7 +80,9 @@ async def test_producer_state_and_close_survive_their_records_and_a_power_cut() 
     async with server(fs, **SMALL) as (service, storage):
         assert (await call(service, "PUT", "s", b"", T)).status == 201
         for seq in range(6):
-            answer = await call(service, "POST", "s", f"p{seq};".encode(), [*producer, ("Producer-Seq", str(seq))])
+            answer = await call(
+                service, "POST", "s", f"p{seq};".encode(), [*producer, ("Producer-Seq", str(seq))]
+            )
             assert answer.status in (200, 204)
         closing = [*producer, ("Producer-Seq", "6"), ("Stream-Closed", "true")]
         assert (await call(service, "POST", "s", b"end;", closing)).status in (200, 204)
@@ -96,7 +104,9 @@ async def test_producer_state_and_close_survive_their_records_and_a_power_cut() 
         retry = await call(service, "POST", "s", b"end;", closing)
         assert retry.status in (200, 204) and retry.header("Stream-Closed") == "true"
         assert (await call(service, "POST", "s", b"x;", [*producer, ("Producer-Seq", "7")])).status == 409
-        assert (await call(service, "HEAD", "s")).header("Stream-Next-Offset") == head.header("Stream-Next-Offset")
+        assert (await call(service, "HEAD", "s")).header("Stream-Next-Offset") == head.header(
+            "Stream-Next-Offset"
+        )
         assert (await call(service, "GET", "s", query="offset=-1")).body == b""
 
 
@@ -121,7 +131,10 @@ async def test_a_producer_retry_stays_a_duplicate_after_retention_and_restart() 
         duplicate = await call(service, "POST", "s", b"p3;", [*producer, ("Producer-Seq", "3")])
         assert duplicate.status in (200, 204)
         assert storage.open("s").tail == tail  # type: ignore[union-attr]  # not written twice
-        assert (await call(service, "POST", "s", b"p4;", [*producer, ("Producer-Seq", "4")])).status in (200, 204)
+        assert (await call(service, "POST", "s", b"p4;", [*producer, ("Producer-Seq", "4")])).status in (
+            200,
+            204,
+        )
 
 
 async def test_a_fork_pins_its_source_until_it_is_deleted() -> None:
@@ -192,8 +205,6 @@ async def test_bounded_work_per_pass() -> None:
         assert storage.open("s").tail - storage.open("s").floor <= 10  # type: ignore[union-attr]
 
 
-
-
 def test_a_subscription_cursor_below_the_floor_jumps_to_it(tmp_path: Path) -> None:
     server = start(
         "--storage", "disk", "--data-dir", str(tmp_path), "--segment-max-messages", "2",
@@ -202,7 +213,10 @@ def test_a_subscription_cursor_below_the_floor_jumps_to_it(tmp_path: Path) -> No
     try:
         with httpx.Client(base_url=server.url, timeout=10) as client:
             assert client.put("/v1/stream/jobs/a", headers=dict(T)).status_code == 201
-            assert client.put("/v1/stream/wake/a", headers={"Content-Type": "application/json"}).status_code == 201
+            assert (
+                client.put("/v1/stream/wake/a", headers={"Content-Type": "application/json"}).status_code
+                == 201
+            )
             body = {"type": "pull-wake", "pattern": "jobs/*", "wake_stream": "wake/a"}
             assert client.put("/v1/stream/__ds/subscriptions/s", json=body).status_code == 201
             assert client.post("/v1/stream/jobs/a", content=b"0000;", headers=dict(T)).status_code == 204
@@ -211,7 +225,9 @@ def test_a_subscription_cursor_below_the_floor_jumps_to_it(tmp_path: Path) -> No
                 assert time.monotonic() < deadline, "no wake event"  # issued with that append's tail
                 time.sleep(0.1)
             for n in range(1, 20):
-                assert client.post("/v1/stream/jobs/a", content=b"%04d;" % n, headers=dict(T)).status_code == 204
+                assert (
+                    client.post("/v1/stream/jobs/a", content=b"%04d;" % n, headers=dict(T)).status_code == 204
+                )
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 view = client.get("/v1/stream/__ds/subscriptions/s").json()
@@ -220,7 +236,9 @@ def test_a_subscription_cursor_below_the_floor_jumps_to_it(tmp_path: Path) -> No
                     break
                 time.sleep(0.2)
             earliest = client.head("/v1/stream/jobs/a").headers["stream-earliest-offset"]
-            assert link["acked_offset"] == earliest and link["skipped_bytes"] == int(earliest.rsplit("_", 1)[1])
+            assert link["acked_offset"] == earliest and link["skipped_bytes"] == int(
+                earliest.rsplit("_", 1)[1]
+            )
             # The wake names the tail of the first append, now below the cursor: claimed, it shows
             # nothing pending, never a tail behind the ack (found by the torture run with retention,
             # black box seed 1123).
@@ -228,10 +246,16 @@ def test_a_subscription_cursor_below_the_floor_jumps_to_it(tmp_path: Path) -> No
             assert claim.status_code == 200, claim.text
             shown = next(item for item in claim.json()["streams"] if item["path"] == "jobs/a")
             position = lambda token: int(token.rsplit("_", 1)[1])  # noqa: E731
-            assert position(shown["tail_offset"]) >= position(shown["acked_offset"]) == position(earliest), shown
+            assert position(shown["tail_offset"]) >= position(shown["acked_offset"]) == position(earliest), (
+                shown
+            )
             assert shown["has_pending"] is False
             metrics = client.get("/metrics").text
-            jumps = next(line for line in metrics.splitlines() if line.startswith("streamkeep_subscription_cursor_jumps_total"))
+            jumps = next(
+                line
+                for line in metrics.splitlines()
+                if line.startswith("streamkeep_subscription_cursor_jumps_total")
+            )
             assert float(jumps.split()[-1]) >= 1
             assert "streamkeep_retention_dropped_segments_total" in metrics
     finally:
@@ -249,13 +273,18 @@ async def test_a_fork_of_a_retained_stream_starts_where_its_source_still_holds_d
         await retention(storage, max_bytes=30).pass_once()
         source = storage.open("src")
         assert source is not None and source.held_from > 0
-        assert (await call(service, "PUT", "f", b"", [*T, ("Stream-Forked-From", "/v1/stream/src")])).status == 201
+        assert (
+            await call(service, "PUT", "f", b"", [*T, ("Stream-Forked-From", "/v1/stream/src")])
+        ).status == 201
         fork = storage.open("f")
         assert fork is not None
         earliest = (await call(service, "HEAD", "f")).header("Stream-Earliest-Offset")
         assert earliest == offsets.encode(source.held_from, fork.meta.incarnation)
         everything = await call(service, "GET", "f", query="offset=-1")
-        assert everything.status == 200 and everything.body == (await call(service, "GET", "src", query="offset=-1")).body
+        assert (
+            everything.status == 200
+            and everything.body == (await call(service, "GET", "src", query="offset=-1")).body
+        )
         # The source moves on: the fork keeps what it reads (pinned), and its own appends follow.
         await append_all(service, "f", 4)
         await append_all(service, "src", 20)
@@ -297,12 +326,17 @@ async def test_a_stream_replaced_during_a_compaction_keeps_nothing_of_the_old_on
     json_type = [("Content-Type", "application/json")]
 
     def insert(key: str, value: object) -> bytes:
-        return json.dumps({"type": "t", "key": key, "value": value, "headers": {"operation": "insert"}}).encode()
+        return json.dumps(
+            {"type": "t", "key": key, "value": value, "headers": {"operation": "insert"}}
+        ).encode()
 
     async with server(fs, segment_max_messages=4) as (service, _storage):
         assert (await call(service, "PUT", "s", b"", json_type)).status == 201
         for n in range(10):
-            assert (await call(service, "POST", "s", insert(f"old{n}", "old"), json_type)).status in (200, 204)
+            assert (await call(service, "POST", "s", insert(f"old{n}", "old"), json_type)).status in (
+                200,
+                204,
+            )
         original = compaction.forks.read_range
         replaced = []
 
@@ -336,7 +370,10 @@ async def test_a_snapshot_is_read_in_chunks() -> None:
     async with server(fs) as (service, _storage):
         assert (await call(service, "PUT", "s", b"", json_type)).status == 201
         big = "x" * 2000
-        batch = [{"type": "t", "key": f"k{n}", "value": big, "headers": {"operation": "insert"}} for n in range(1200)]
+        batch = [
+            {"type": "t", "key": f"k{n}", "value": big, "headers": {"operation": "insert"}}
+            for n in range(1200)
+        ]
         assert (await call(service, "POST", "s", json.dumps(batch).encode(), json_type)).status in (200, 204)
         async with trio.open_nursery() as nursery:
             progress = Compactor(service.supervisor, nursery).start("s")
@@ -352,7 +389,10 @@ async def test_interval_fsync_checkpoint_claims_only_what_survives_a_power_cut()
     async with server(fs, fsync="interval", fsync_interval=3600.0, **SMALL) as (service, storage):
         assert (await call(service, "PUT", "s", b"", T)).status == 201
         await append_all(service, "s", 6)
-        assert (await call(service, "POST", "s", b"p0;", [*producer, ("Producer-Seq", "0")])).status in (200, 204)
+        assert (await call(service, "POST", "s", b"p0;", [*producer, ("Producer-Seq", "0")])).status in (
+            200,
+            204,
+        )
         await retention(storage, max_bytes=1).pass_once()
     fs.crash()
     async with server(fs, fsync="interval", fsync_interval=3600.0, **SMALL) as (service, storage):
@@ -373,9 +413,14 @@ async def test_a_compacted_json_stream_keeps_its_floor_against_age_and_size() ->
         assert (await call(service, "PUT", "t", b"", T)).status == 201
         for n in range(20):
             change = {"type": "row", "key": f"k{n % 3}", "value": n, "headers": {"operation": "upsert"}}
-            assert (await call(service, "POST", "j", json.dumps(change).encode(), json_type)).status in (200, 204)
+            assert (await call(service, "POST", "j", json.dumps(change).encode(), json_type)).status in (
+                200,
+                204,
+            )
         await append_all(service, "t", 20)
-        await retention(storage, [1e15], max_bytes=30, max_age=1, compact="state", compact_min_bytes=1 << 30).pass_once()
+        await retention(
+            storage, [1e15], max_bytes=30, max_age=1, compact="state", compact_min_bytes=1 << 30
+        ).pass_once()
         json_log, text_log = storage.open("j"), storage.open("t")
         assert json_log is not None and json_log.floor == 0
         assert text_log is not None and text_log.floor > 0
@@ -391,11 +436,15 @@ async def test_a_read_from_the_start_changes_its_etag_when_the_floor_moves() -> 
         before = await call(service, "GET", "s", query="offset=-1")
         head_before = (await call(service, "HEAD", "s")).header("ETag")
         await retention(storage, max_bytes=30).pass_once()
-        after = await call(service, "GET", "s", query="offset=-1", headers=[("If-None-Match", before.header("ETag"))])
+        after = await call(
+            service, "GET", "s", query="offset=-1", headers=[("If-None-Match", before.header("ETag"))]
+        )
         assert after.status == 200 and after.body != before.body
         assert after.header("ETag") != before.header("ETag")
         assert (await call(service, "HEAD", "s")).header("ETag") != head_before
-        again = await call(service, "GET", "s", query="offset=-1", headers=[("If-None-Match", after.header("ETag"))])
+        again = await call(
+            service, "GET", "s", query="offset=-1", headers=[("If-None-Match", after.header("ETag"))]
+        )
         assert again.status == 304
 
 
@@ -435,10 +484,16 @@ async def test_a_drop_after_an_upload_whose_manifest_save_half_failed_keeps_the_
         stream_log = storage.open("s")
         assert stream_log is not None
         first = stream_log.segments[0]
-        entry = {"file": first.path.name, "start": first.start, "size": first.size, "sha256": "0" * 64, "key": "s/first"}
+        entry = {
+            "file": first.path.name,
+            "start": first.start,
+            "size": first.size,
+            "sha256": "0" * 64,
+            "key": "s/first",
+        }
         fs.after_rename_into(stream_log.directory / "cold.cbor", 10)  # its directory syncs fail
         try:
-            await stream_log.record_upload(first, entry)
+            await record_upload(stream_log, first, entry)
         except OSError:
             pass
         fs.faults.forced.clear()  # only those syncs fail
@@ -476,6 +531,6 @@ async def test_a_pin_of_a_fork_another_cluster_member_owns_holds_the_source() ->
         assert source.meta.remote_forks == (("0123456789ab", "elsewhere/fork", 15),)
         await retention(storage, max_bytes=10).pass_once()
         assert source.held_from <= 15
-        await service.supervisor.call("src", "detach_fork", "0123456789ab")
-        await service.supervisor.call("src", "detach_fork", "0123456789ab")  # a second detach: nothing
+        await service.supervisor.call("src", DetachFork("0123456789ab"))
+        await service.supervisor.call("src", DetachFork("0123456789ab"))  # a second detach: nothing
         assert storage.open("src") is None  # the last pin out removes the soft-deleted source

@@ -17,14 +17,15 @@ import trio
 import trio.testing
 
 from ops.torture.simfs import FaultPlan, SimFileSystem
+from streamkeep.actors.messages import AttachFork, DetachFork
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.model import Headers, Request, Response
 from streamkeep.protocol.stream import ForkSpec
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
-from streamkeep.service import Service, ServiceOptions
+from streamkeep.server.service import Service, ServiceOptions
 from streamkeep.storage.base import ByteBudget
-from streamkeep.storage.disk import DiskStorage
+from streamkeep.storage.disk.storage import DiskStorage
 
 ROOT = Path("/data")
 T = [("Content-Type", "text/plain")]
@@ -66,8 +67,7 @@ async def server(fs: SimFileSystem, **options: Any) -> AsyncIterator[tuple[Servi
     )
     async with trio.open_nursery() as nursery:
         await storage.start(nursery)
-        service = Service(Supervisor(storage, nursery), ServiceOptions())
-        service.nursery = nursery
+        service = Service(Supervisor(storage, nursery), ServiceOptions(), spawn=nursery.start_soon)
         try:
             yield service, storage
         finally:
@@ -290,7 +290,9 @@ async def test_a_new_segment_taken_back_without_a_directory_sync_is_not_a_defini
             real_fsync = fs.fsync
             failing = [2]
 
-            def fsync(fd: int, fs: Steered = fs, failing: list[int] = failing, real: Any = real_fsync) -> None:
+            def fsync(
+                fd: int, fs: Steered = fs, failing: list[int] = failing, real: Any = real_fsync
+            ) -> None:
                 if failing[0] and fs.open_fds().get(fd, "").endswith("streams/s"):
                     failing[0] -= 1
                     raise OSError(errno.EIO, "Input/output error")
@@ -364,9 +366,9 @@ async def test_a_cold_read_of_a_stream_deleted_meanwhile_is_a_delete_not_a_bucke
     from ops.torture.sim import SimStore
     from ops.torture.sims3 import SimS3
     from streamkeep.protocol.stream import StreamMeta
-    from streamkeep.storage.archiver import Archiver
     from streamkeep.storage.base import AppendRecord
-    from streamkeep.storage.coldstore import ColdConfig
+    from streamkeep.storage.cold.archiver import Archiver
+    from streamkeep.storage.cold.store import ColdConfig
     from streamkeep.storage.errors import StreamDeleted
 
     gate, waiting = trio.Event(), trio.Event()
@@ -424,9 +426,9 @@ async def test_an_upload_gives_back_a_deleted_streams_descriptor_at_its_next_ret
     from ops.torture.sim import SimStore
     from ops.torture.sims3 import SimS3
     from streamkeep.protocol.stream import StreamMeta
-    from streamkeep.storage.archiver import Archiver
     from streamkeep.storage.base import AppendRecord
-    from streamkeep.storage.coldstore import ColdConfig
+    from streamkeep.storage.cold.archiver import Archiver
+    from streamkeep.storage.cold.store import ColdConfig
 
     failed_once, frozen = threading.Event(), threading.Event()
 
@@ -539,7 +541,7 @@ async def test_a_failed_append_keeps_the_pins_of_remote_forks() -> None:
         assert (await call(service, "POST", "src", b"c;", T)).status == 507
         # A fork that another member will own: its pin is saved in the source's meta.
         spec = ForkSpec("src", None, None, 0)
-        await service.supervisor.call("src", "attach_fork", spec, None, ("f1", "fork"))
+        await service.supervisor.call("src", AttachFork(spec, None, ("f1", "fork")))
         source = storage.open("src")
         assert source is not None
         assert [pin[:2] for pin in source.meta.remote_forks] == [("f1", "fork")]
@@ -548,5 +550,5 @@ async def test_a_failed_append_keeps_the_pins_of_remote_forks() -> None:
         assert [pin[:2] for pin in source.meta.remote_forks] == [("f1", "fork")]
         assert source.meta.fork_count == 1
         assert (await call(service, "DELETE", "src")).status == 204  # soft-deleted: the fork reads it
-        await service.supervisor.call("src", "detach_fork", "f1")
+        await service.supervisor.call("src", DetachFork("f1"))
         assert storage.open("src") is None  # its last fork gone, the source goes too

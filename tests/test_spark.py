@@ -20,7 +20,8 @@ from tests.test_cold import CREDENTIALS, Moto, cold_server, wait_until
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is a dev dependency; make test installs it")
 
-from streamkeep.segments import spark as sk  # noqa: E402
+from streamkeep.segments.spark import plan  # noqa: E402
+from streamkeep.segments.spark import source as sk  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -128,11 +129,11 @@ def test_an_empty_selection_is_an_empty_frame(spark, archive) -> None:  # type: 
 def test_streams_and_offsets_are_pushed_down(archive) -> None:  # type: ignore[no-untyped-def]
     data, moto, _expected = archive
     options = {"endpoint": moto.url, "cold_url": "s3://archive/prod"}
-    everything = sk.plan_segments(str(data), options)
-    blobs = sk.plan_segments(str(data), {**options, "streams": "blob*"})
+    everything = plan.plan_segments(str(data), options)
+    blobs = plan.plan_segments(str(data), {**options, "streams": "blob*"})
     assert {s.stream for s in blobs} == {"blobs"} and len(blobs) < len(everything)
     middle = blobs[len(blobs) // 2].start
-    tail_only = sk.plan_segments(
+    tail_only = plan.plan_segments(
         str(data), {**options, "streams": "blobs", "start_offset": f"0000000000000000_{middle:016d}"}
     )
     assert len(tail_only) < len(blobs) and tail_only[0].start <= middle
@@ -315,7 +316,8 @@ def test_export_job_partitions_by_stream_and_day(tmp_path: Path, spark) -> None:
 
 def test_buckets_of_both_key_layouts_read_the_same(spark, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Format 1 keys (`<stream dir>/<segment>`) and format 2 keys (with the incarnation) both read."""
-    from streamkeep.storage import files, migrate
+    from streamkeep.storage import files
+    from streamkeep.storage.cold import migrate
     from tests.test_format import store, v1_world
 
     for name, value in CREDENTIALS.items():
@@ -398,7 +400,7 @@ def test_batch_reads_start_at_the_floor_even_with_files_below_it(spark, tmp_path
     below = [p.name for p in segment_files(tmp_path, "src") if int(p.stem) < 36]
     assert len(below) == 6  # still there for the fork, but no reader of src may see them
     assert int(segment_files(tmp_path, "plain")[0].stem) == 36  # dropped: nothing pins them
-    planned = sk.plan_segments(str(tmp_path), {"streams": "src,plain"})
+    planned = plan.plan_segments(str(tmp_path), {"streams": "src,plain"})
     assert {s.start for s in planned} == {36, 42, 48, 54}
     rows = (
         spark.read.format("streamkeep")
@@ -522,8 +524,9 @@ def test_a_floor_passing_a_planned_batch_and_old_checkpoints(tmp_path: Path, cap
     from pyspark.sql.streaming.datasource import ReadAllAvailable
 
     from ops.serverproc import start
+    from streamkeep.segments.floor import FloorCheckpoint
     from streamkeep.storage import files
-    from streamkeep.storage import floor as floors
+    from streamkeep.storage.disk import floor as floors
 
     server = start("--storage", "disk", "--data-dir", str(tmp_path), "--segment-max-messages", "2")
     try:
@@ -536,7 +539,7 @@ def test_a_floor_passing_a_planned_batch_and_old_checkpoints(tmp_path: Path, cap
     directory = tmp_path / "streams" / "live"
 
     def retain(floor: int) -> None:  # what a retention pass does: the floor first, then the files
-        floors.save(files.OS, directory, floors.FloorCheckpoint(floor))
+        floors.save(files.OS, directory, FloorCheckpoint(floor))
         for path in segment_files(tmp_path, "live"):
             if int(path.stem) < floor:
                 path.unlink()
@@ -550,7 +553,7 @@ def test_a_floor_passing_a_planned_batch_and_old_checkpoints(tmp_path: Path, cap
     retain(12)
     with pytest.raises(sk.DataLossError, match=f"{incarnation}_{0:016d} up to {incarnation}_{12:016d}"):
         strict.partitions(begin, end)
-    with caplog.at_level("WARNING", logger="streamkeep.segments.spark"):
+    with caplog.at_level("WARNING", logger="streamkeep.segments.spark.source"):
         planned = lenient.partitions(begin, end)
     assert [p.segment.start for p in planned] == [12, 18] and "failOnDataLoss is false" in caplog.text
     retain(18)  # while the batch reads: the segment at 12 goes

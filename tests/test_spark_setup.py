@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from ops.serverproc import ROOT, launch, start
-from streamkeep.segments import spark_setup
+from streamkeep.segments.spark import workers
 
 pytest.importorskip("pyspark", reason="pyspark is in the spark extra; make test installs it")
 
@@ -74,14 +74,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def readme_example() -> str:
-    """The Python block of README.md's Spark section, as a newcomer would paste it."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Spark over the archive", 1)[1]
+def docs_example() -> str:
+    """The Python block of the Spark section of docs/cold-and-spark.md, as a newcomer would paste it."""
+    page = (ROOT / "docs" / "cold-and-spark.md").read_text()
+    section = page.split("## Spark over the archive", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_readme_example_works_without_setting_anything(
+def test_docs_example_works_without_setting_anything(
     tmp_path: Path, bare_python: Path, data_dir: Path
 ) -> None:
     # `python3` on PATH (Spark's default worker) is one without cbor2 or streamkeep, as on a machine
@@ -92,14 +92,14 @@ def test_readme_example_works_without_setting_anything(
     env = clean_env(PATH=f"{shadow}{os.pathsep}{os.environ['PATH']}")
     default = subprocess.run(["python3", "-c", "import cbor2"], env=env, capture_output=True, check=False)
     assert default.returncode != 0  # so the example only works if register() picks the interpreter
-    example = readme_example()
+    example = docs_example()
     assert "PYSPARK_PYTHON" not in example and "sk.register(spark)" in example
     after = """
 import json, sys
-from streamkeep.segments import spark_setup
+from streamkeep.segments.spark import workers
 print("RESULT", json.dumps({
     "exec": spark.sparkContext.pythonExec,
-    "checked": sorted(spark_setup._checked),
+    "checked": sorted(workers._checked),
     "expected": [spark.sparkContext.applicationId, sys.executable],
 }))
 """
@@ -119,7 +119,7 @@ def test_workers_without_cbor2_get_one_clear_line(bare_python: Path, data_dir: P
         SESSION
         + f"""
 import json
-from streamkeep.segments import spark as sk
+from streamkeep.segments.spark import source as sk
 out = {{}}
 try:
     sk.register(spark)
@@ -178,35 +178,33 @@ def fake_context(
 
 def test_which_python_the_source_gets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
-    assert spark_setup.worker_python(fake_context()) == sys.executable
-    assert spark_setup.worker_python(fake_context("local-cluster[2,1,1024]")) == sys.executable
-    assert spark_setup.worker_python(fake_context("yarn")) == "python3"  # a cluster: Spark's choice
+    assert workers.worker_python(fake_context()) == sys.executable
+    assert workers.worker_python(fake_context("local-cluster[2,1,1024]")) == sys.executable
+    assert workers.worker_python(fake_context("yarn")) == "python3"  # a cluster: Spark's choice
     chosen = fake_context(conf={"spark.pyspark.python": "/opt/py"})
-    assert spark_setup.worker_python(chosen) == "python3"
-    assert spark_setup.worker_python(fake_context(python="/opt/env/bin/python")) == "/opt/env/bin/python"
-    assert spark_setup.worker_python(None) is None  # Spark Connect: the server decides
+    assert workers.worker_python(chosen) == "python3"
+    assert workers.worker_python(fake_context(python="/opt/env/bin/python")) == "/opt/env/bin/python"
+    assert workers.worker_python(None) is None  # Spark Connect: the server decides
     monkeypatch.setenv("PYSPARK_PYTHON", "/opt/env/bin/python")
-    assert spark_setup.worker_python(fake_context(python="/opt/env/bin/python")) == "/opt/env/bin/python"
+    assert workers.worker_python(fake_context(python="/opt/env/bin/python")) == "/opt/env/bin/python"
 
 
 def test_messages_say_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
     missing = RuntimeError("Traceback ...\nModuleNotFoundError: No module named 'streamkeep'\n SQLSTATE")
-    cluster = str(spark_setup.explain(missing, fake_context("yarn"), "python3"))
+    cluster = str(workers.explain(missing, fake_context("yarn"), "python3"))
     assert "cannot import streamkeep" in cluster and "pip install 'streamkeep[spark]'" in cluster
     assert "spark.archives" in cluster and "renamed to .zip with --py-files" in cluster
-    local = str(spark_setup.explain(missing, fake_context(), sys.executable))
+    local = str(workers.explain(missing, fake_context(), sys.executable))
     assert f"install into it: {sys.executable} -m pip install" in local  # it is this Python already
     mismatch = RuntimeError(
         "[PYTHON_VERSION_MISMATCH] Python in worker has different version: 3.13 than that in driver: "
         "3.11, PySpark cannot run with different minor versions."
     )
-    line = str(
-        spark_setup.explain(mismatch, fake_context(python="/usr/bin/python3.13"), "/usr/bin/python3.13")
-    )
+    line = str(workers.explain(mismatch, fake_context(python="/usr/bin/python3.13"), "/usr/bin/python3.13"))
     assert "are Python 3.13 but this driver is Python 3.11" in line and "set PYSPARK_PYTHON=" in line
     monkeypatch.setenv("PYSPARK_PYTHON", "/opt/env/bin/python")  # set after the context started
-    late = str(spark_setup.explain(missing, fake_context(), "python3"))
+    late = str(workers.explain(missing, fake_context(), "python3"))
     assert "was set after the SparkContext started" in late
     for text in (cluster, local, line, late):
         assert "\n" not in text and text.startswith("streamkeep: ")
@@ -230,7 +228,7 @@ class FakeSession:
         return self
 
     def option(self, key: str, value: str) -> FakeSession:
-        assert (key, value) == (spark_setup.PROBE_OPTION, "true")
+        assert (key, value) == (workers.PROBE_OPTION, "true")
         return self
 
     def load(self) -> FakeSession:
@@ -248,11 +246,11 @@ def test_the_check_runs_a_task_only_off_local_mode_and_once(monkeypatch: pytest.
     monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
     local, cluster = FakeSession("local[2]"), FakeSession("spark://master:7077")
     for session in (local, cluster, local, cluster):
-        spark_setup.check(session, "/opt/env/bin/python")
+        workers.check(session, "/opt/env/bin/python")
     assert local.calls == ["load"]  # the driver's worker is every worker's Python
     assert cluster.calls == ["load", "collect"]  # and once only: the second call was cached
     broken = FakeSession("yarn", "Traceback ...\nModuleNotFoundError: No module named 'cbor2'")
     for _ in range(2):  # a failure is not cached: fixing the cluster and calling again re-checks
-        with pytest.raises(spark_setup.SparkSetupError, match="cannot import cbor2: give the workers"):
-            spark_setup.check(broken, "./environment/bin/python")
+        with pytest.raises(workers.SparkSetupError, match="cannot import cbor2: give the workers"):
+            workers.check(broken, "./environment/bin/python")
     assert broken.calls == ["load", "collect"] * 2

@@ -17,11 +17,11 @@ import trio
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.model import Headers, Request
 from streamkeep.protocol.stream import StreamMeta
-from streamkeep.service import Service, ServiceOptions
+from streamkeep.server.service import Service, ServiceOptions
 from streamkeep.storage.base import AppendRecord, ByteBudget
-from streamkeep.storage.disk import DiskStorage
+from streamkeep.storage.disk.log import DiskLog
+from streamkeep.storage.disk.storage import DiskStorage
 from streamkeep.storage.errors import StorageUnavailable
-from streamkeep.storage.log import DiskLog
 from tests.faultyfs import FaultyFS, eio, enospc
 
 

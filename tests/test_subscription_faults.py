@@ -22,7 +22,7 @@ import trio
 from ops.serverproc import start
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.model import Headers, Request, Response
-from streamkeep.service import Service, ServiceOptions
+from streamkeep.server.service import Recovered, Service, ServiceOptions
 from streamkeep.storage import files
 from streamkeep.storage.memory import MemoryStorage
 from streamkeep.subscriptions.manager import SubscriptionManager
@@ -155,11 +155,12 @@ def stream_link(client: httpx.Client, sub_id: str, path: str) -> dict | None:
 async def service_with(state_dir: Path | None, keys: Keys | None = None) -> AsyncIterator[Service]:
     async with trio.open_nursery() as nursery:
         supervisor = Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), nursery)
-        service = Service(supervisor, ServiceOptions())
-        service.subscriptions = SubscriptionManager(
+        manager = SubscriptionManager(
             supervisor, keys or Keys(None), state_dir=state_dir, allow_loopback_webhooks=True
         )
-        await nursery.start(service.subscriptions.run)
+        service = Service(supervisor, ServiceOptions(), recovering="subscriptions loading")
+        await nursery.start(manager.run)
+        service.serve_streams(Recovered(subscriptions=manager))
         yield service
         nursery.cancel_scope.cancel()
 

@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ops.serverproc import ROOT, ServerProcess, start
 from streamkeep.protocol.errors import ProtocolError
-from streamkeep.subscriptions.config import SubscriptionConfig, glob_match
+from streamkeep.protocol.globs import glob_match
+from streamkeep.subscriptions.config import SubscriptionConfig
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.subscriptions.urls import check_webhook_url
 from tests.webhooks import Receiver
@@ -77,7 +78,7 @@ def test_glob_agrees_with_the_reference_on_random_cases(seed: int) -> None:
 
 HOSTILE = """
 import time
-from streamkeep.subscriptions.config import glob_match
+from streamkeep.protocol.globs import glob_match
 began = time.perf_counter()
 results = [
     glob_match("**/" * 200 + "x", "/".join(["a"] * 100)),

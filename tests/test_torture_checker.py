@@ -504,7 +504,11 @@ GONE = json.dumps({"error": {"code": "offset_before_floor", "message": "dropped 
 
 
 def head_with_floor(s: Script, name: str, inc: int, tail: int, floor: int) -> None:
-    headers = {"stream-next-offset": tok(inc, tail), "content-type": "text/plain", "stream-earliest-offset": tok(inc, floor)}
+    headers = {
+        "stream-next-offset": tok(inc, tail),
+        "content-type": "text/plain",
+        "stream-earliest-offset": tok(inc, floor),
+    }
     s.op("head", name, Call("HEAD", f"/v1/stream/{name}"), Outcome(200, headers))
 
 
@@ -543,7 +547,14 @@ def test_a_410_at_or_above_the_floor_is_reported() -> None:
 
 
 def state_message(record_id: str, key: str, fill: str = "xx") -> dict:
-    return {"id": record_id, "f": fill, "type": "row", "key": key, "value": record_id, "headers": {"operation": "upsert"}}
+    return {
+        "id": record_id,
+        "f": fill,
+        "type": "row",
+        "key": key,
+        "value": record_id,
+        "headers": {"operation": "upsert"},
+    }
 
 
 def json_history(snapshot_value: str) -> Script:
@@ -553,7 +564,13 @@ def json_history(snapshot_value: str) -> Script:
     s = Script()
     json_type = {"Content-Type": "application/json"}
     params = {"content_type": "application/json", "ttl": None, "expires_at": None, "closed": False}
-    s.op("create", "json/0", Call("PUT", "/v1/stream/json/0", headers=json_type), Outcome(201, {"stream-next-offset": tok(A, 0)}), params)
+    s.op(
+        "create",
+        "json/0",
+        Call("PUT", "/v1/stream/json/0", headers=json_type),
+        Outcome(201, {"stream-next-offset": tok(A, 0)}),
+        params,
+    )
     messages = [state_message("w0.1", "k0"), state_message("w0.2", "k1"), state_message("w0.3", "k0")]
     end = 0
     for message in messages:
@@ -561,7 +578,13 @@ def json_history(snapshot_value: str) -> Script:
         end += len(stored)
         params = {"record": message["id"], "stored": stored, "record_ids": [message["id"]]}
         outcome = Outcome(204, {"stream-next-offset": tok(A, end)})
-        s.op("append", "json/0", Call("POST", "/v1/stream/json/0", headers=json_type, body=stored), outcome, params)
+        s.op(
+            "append",
+            "json/0",
+            Call("POST", "/v1/stream/json/0", headers=json_type, body=stored),
+            outcome,
+            params,
+        )
     snapshot = [
         {"headers": {"control": "snapshot-start", "offset": tok(A, end)}},
         {"type": "row", "key": "k0", "value": snapshot_value, "headers": {"operation": "insert"}},
@@ -570,7 +593,11 @@ def json_history(snapshot_value: str) -> Script:
     ]
     everything = messages + snapshot
     tail = end + sum(len(canonical(m)) for m in snapshot)
-    headers = {"stream-next-offset": tok(A, tail), "content-type": "application/json", "stream-up-to-date": "true"}
+    headers = {
+        "stream-next-offset": tok(A, tail),
+        "content-type": "application/json",
+        "stream-up-to-date": "true",
+    }
     call = Call("GET", "/v1/stream/json/0", query={"offset": "-1"})
     s.op("read", "json/0", call, Outcome(200, headers, json.dumps(everything)), {"offset": "-1"})
     return s
@@ -585,9 +612,19 @@ def test_a_snapshot_is_judged_against_the_changes_before_it() -> None:
 
 
 def registry_read(s: Script, entries: list[dict]) -> None:
-    headers = {"stream-next-offset": tok(C, 100), "content-type": "application/json", "stream-up-to-date": "true"}
+    headers = {
+        "stream-next-offset": tok(C, 100),
+        "content-type": "application/json",
+        "stream-up-to-date": "true",
+    }
     call = Call("GET", "/v1/stream/__registry__", query={"offset": "-1"})
-    s.op("registry_read", "__registry__", call, Outcome(200, headers, json.dumps(entries)), {"offset": "-1", "final": True})
+    s.op(
+        "registry_read",
+        "__registry__",
+        call,
+        Outcome(200, headers, json.dumps(entries)),
+        {"offset": "-1", "final": True},
+    )
 
 
 def entry(name: str, operation: str = "insert") -> dict:

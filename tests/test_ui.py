@@ -18,9 +18,10 @@ import jwt
 import pytest
 
 from ops.serverproc import ServerProcess, start
-from streamkeep import config, routes
+from streamkeep import config
+from streamkeep.protocol import routes
+from streamkeep.protocol.globs import glob_match
 from streamkeep.protocol.model import Headers, Request
-from streamkeep.subscriptions.globs import glob_match
 from streamkeep.ui import CSP, UiFiles, exposure_warning, is_loopback
 from tests.conftest import FAST
 
@@ -77,8 +78,16 @@ def test_the_pages_hold_no_inline_script_or_style() -> None:
         source = module.read_text()
         # Stream content becomes text only; the token goes in a header only (never EventSource,
         # which cannot send one, nor ?token=), kept in sessionStorage; nothing from elsewhere.
-        for risky in (r"\.(inner|outer)HTML\b", r"insertAdjacentHTML\(", r"document\.write", r"\beval\(",
-                      r"new EventSource", r"localStorage\.[a-z]", r"token=", r"document\.cookie"):
+        for risky in (
+            r"\.(inner|outer)HTML\b",
+            r"insertAdjacentHTML\(",
+            r"document\.write",
+            r"\beval\(",
+            r"new EventSource",
+            r"localStorage\.[a-z]",
+            r"token=",
+            r"document\.cookie",
+        ):
             assert not re.search(risky, source), f"{module.name}: {risky}"
         assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", source), module.name
 
@@ -86,7 +95,9 @@ def test_the_pages_hold_no_inline_script_or_style() -> None:
 def test_stream_responses_are_sandboxed(server: ServerProcess) -> None:
     with httpx.Client(base_url=server.url, timeout=5) as client:
         name = f"/v1/stream/ui-sandbox-{time.monotonic_ns()}"
-        created = client.put(name, headers={"Content-Type": "text/html"}, content=b"<script>alert(1)</script>")
+        created = client.put(
+            name, headers={"Content-Type": "text/html"}, content=b"<script>alert(1)</script>"
+        )
         assert csp(created) == ["sandbox"]
         read = client.get(name, params={"offset": "-1"})
         assert read.status_code == 200 and read.headers["content-type"] == "text/html"
@@ -131,9 +142,23 @@ def test_admin_api_lists_streams_and_details_one(server: ServerProcess) -> None:
         rows = {row["name"].rpartition("/")[2]: row for row in body["streams"]}
         row = rows["orders"]
         assert set(row) == {
-            "name", "content_type", "created_at", "next_offset", "earliest_offset", "size", "hot_bytes",
-            "cold_bytes", "closed", "expired", "deleted", "ttl_seconds", "expires_at", "forked_from",
-            "fork_count", "appends", "live_readers",
+            "name",
+            "content_type",
+            "created_at",
+            "next_offset",
+            "earliest_offset",
+            "size",
+            "hot_bytes",
+            "cold_bytes",
+            "closed",
+            "expired",
+            "deleted",
+            "ttl_seconds",
+            "expires_at",
+            "forked_from",
+            "fork_count",
+            "appends",
+            "live_readers",
         }
         assert row["content_type"] == "application/json" and row["size"] == len('{"n":1}{"n":2}{"n":3}')
         assert row["hot_bytes"] == row["size"] and row["cold_bytes"] == 0
@@ -149,7 +174,10 @@ def test_admin_api_lists_streams_and_details_one(server: ServerProcess) -> None:
 
         detail = client.get(f"/v1/admin/streams/{prefix}/orders").json()
         assert {k: detail[k] for k in row} == {**row, "live_readers": detail["live_readers"]}
-        assert detail["producers"] == [{"id": "p-1", "epoch": 3, "last_seq": 0}] and detail["producers_total"] == 1
+        assert (
+            detail["producers"] == [{"id": "p-1", "epoch": 3, "last_seq": 0}]
+            and detail["producers_total"] == 1
+        )
         assert detail["forks"] == [f"{prefix}/replay"]
         [linked] = detail["subscriptions"]
         assert linked["id"] == prefix and linked["type"] == "pull-wake" and linked["pattern"] == f"{prefix}/*"
@@ -287,7 +315,9 @@ def test_routes_classify_the_ui_and_the_admin_api() -> None:
 
 def test_files_are_loaded_once_from_the_package() -> None:
     files = UiFiles()
-    assert {"index.html", "app.js", "api.js", "streams.js", "stream.js", "chart.js", "style.css"} <= set(files.files)
+    assert {"index.html", "app.js", "api.js", "streams.js", "stream.js", "chart.js", "style.css"} <= set(
+        files.files
+    )
     assert sum(len(body) for body, _, _ in files.files.values()) < 100_000  # small and legible
 
 
@@ -306,7 +336,20 @@ def test_the_modules_parse() -> None:
 @pytest.mark.skipif(NODE is None, reason="needs node")
 def test_the_glob_filter_matches_like_the_server() -> None:
     patterns = ["a/*", "a/**", "**", "**/b", "a/**/b", "*/b", "a*", "a*c/*", "**/x*y/**", "a/*/c", "a/**/**"]
-    names = ["a", "a/b", "a/b/c", "b", "x/b", "abc/d", "a/c", "axzy", "q/xzzy/r/s", "a/bb/c", "a.b/c", "a/x/y/b"]
+    names = [
+        "a",
+        "a/b",
+        "a/b/c",
+        "b",
+        "x/b",
+        "abc/d",
+        "a/c",
+        "axzy",
+        "q/xzzy/r/s",
+        "a/bb/c",
+        "a.b/c",
+        "a/x/y/b",
+    ]
     cases = [(pattern, name) for pattern in patterns for name in names]
     script = (
         f"import {{ globMatcher }} from {json.dumps((STATIC / 'api.js').as_uri())};"
@@ -314,6 +357,9 @@ def test_the_glob_filter_matches_like_the_server() -> None:
         "console.log(JSON.stringify(cases.map(([p, n]) => globMatcher(p)(n))));"
     )
     out = subprocess.run(
-        [NODE, "--input-type=module", "-e", script, json.dumps(cases)], capture_output=True, text=True, check=True
+        [NODE, "--input-type=module", "-e", script, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert json.loads(out.stdout) == [glob_match(pattern, name) for pattern, name in cases]

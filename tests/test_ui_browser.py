@@ -6,7 +6,7 @@ without a reload; a message appended over HTTP shows in a stream's live tail wit
 append box appends; delete deletes; with auth on and no token the page says 401; and a stream of
 text/html or SVG holding a script, opened directly, cannot run it in the UI's origin.
 
-`STREAMKEEP_SCREENSHOTS=1` also saves docs/ui-streams.png and docs/ui-stream.png (the README's).
+`STREAMKEEP_SCREENSHOTS=1` also saves docs/ui-streams.png and docs/ui-stream.png (docs/stream-browser.md's).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ CHROMEDRIVER = shutil.which("chromedriver")
 SCREENSHOTS = os.environ.get("STREAMKEEP_SCREENSHOTS") == "1"
 
 if CHROMIUM is None or CHROMEDRIVER is None:  # never skipped into green: `make unit` installs them
-    raise RuntimeError("chromium and chromedriver are missing: make unit (apt-get install chromium chromium-driver)")
+    raise RuntimeError(
+        "chromium and chromedriver are missing: make unit (apt-get install chromium chromium-driver)"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,9 @@ def test_streams_come_and_go_in_the_list_without_a_reload(
     browser.execute_script("window.notReloaded = true")
     with httpx.Client(base_url=base, timeout=5) as client:
         names = ["ui-list/orders", "ui-list/logs with space", "ui-list/raw"]
-        for name, kind in zip(names, ["application/json", "text/plain", "application/octet-stream"], strict=True):
+        for name, kind in zip(
+            names, ["application/json", "text/plain", "application/octet-stream"], strict=True
+        ):
             assert client.put(path(name), headers={"Content-Type": kind}).status_code == 201
         for name in names:
             wait(browser, 8, lambda d, name=name: row(d, name), f"{name!r} never appeared in the list")
@@ -150,7 +154,9 @@ def test_streams_come_and_go_in_the_list_without_a_reload(
     wait(browser, 2, lambda d: not row(d, "ui-list/orders"), "the glob filter did not filter")
 
 
-def test_stream_page_live_tail_append_box_and_delete(browser: webdriver.Chrome, open_server: ServerProcess) -> None:
+def test_stream_page_live_tail_append_box_and_delete(
+    browser: webdriver.Chrome, open_server: ServerProcess
+) -> None:
     base = open_server.url
     name = "ui-page/orders"
     producer = {"Producer-Id": "checkout-7", "Producer-Epoch": "2", "Producer-Seq": "0"}
@@ -163,13 +169,20 @@ def test_stream_page_live_tail_append_box_and_delete(browser: webdriver.Chrome, 
         assert "checkout-7" in text_of(browser, "#producers")
         sent = time.monotonic()
         assert client.post(path(name), json={"hello": "from http"}).status_code == 204
-        wait(browser, 2, lambda d: '"hello": "from http"' in text_of(d, "#tail"), "the append missed the live tail")
+        wait(
+            browser,
+            2,
+            lambda d: '"hello": "from http"' in text_of(d, "#tail"),
+            "the append missed the live tail",
+        )
         assert time.monotonic() - sent < 2
 
         box = browser.find_element(By.ID, "append-body")
         box.send_keys('{"typed": "in the append box"}')
         browser.find_element(By.ID, "append").click()
-        wait(browser, 3, lambda d: "appended" in text_of(d, "#append-result"), "the append box did not append")
+        wait(
+            browser, 3, lambda d: "appended" in text_of(d, "#append-result"), "the append box did not append"
+        )
         messages = client.get(path(name), params={"offset": "-1"}).json()
         assert messages == [{"order": 1}, {"hello": "from http"}, {"typed": "in the append box"}]
 
@@ -179,31 +192,45 @@ def test_stream_page_live_tail_append_box_and_delete(browser: webdriver.Chrome, 
         browser.find_element(By.ID, "delete").click()
         assert client.head(path(name)).status_code == 200  # nothing happens before the confirmation
         browser.find_element(By.ID, "delete-confirm").click()
-        wait(browser, 5, lambda d: d.execute_script("return location.hash") in ("", "#/"), "no return to the list")
+        wait(
+            browser,
+            5,
+            lambda d: d.execute_script("return location.hash") in ("", "#/"),
+            "no return to the list",
+        )
         assert client.head(path(name)).status_code == 404
         wait(browser, 5, lambda d: "loading" not in text_of(d, "#list-mode"), "the list never loaded")
         assert not row(browser, name)
 
 
-def test_binary_and_text_streams_render_as_hex_and_text(browser: webdriver.Chrome, open_server: ServerProcess) -> None:
+def test_binary_and_text_streams_render_as_hex_and_text(
+    browser: webdriver.Chrome, open_server: ServerProcess
+) -> None:
     base = open_server.url
     with httpx.Client(base_url=base, timeout=5) as client:
         client.put(path("ui-kinds/raw"), headers={"Content-Type": "application/octet-stream"})
         client.put(path("ui-kinds/log"), headers={"Content-Type": "text/plain"})
         browser.get(f"{base}/ui/#/stream/{quote('ui-kinds/raw', safe='')}")
         wait(browser, 5, lambda d: text_of(d, "#tail-state") == "live", "the live tail never connected")
-        client.post(path("ui-kinds/raw"), content=b"\x00AB\xff", headers={"Content-Type": "application/octet-stream"})
+        client.post(
+            path("ui-kinds/raw"), content=b"\x00AB\xff", headers={"Content-Type": "application/octet-stream"}
+        )
         wait(browser, 2, lambda d: "00 41 42 ff" in text_of(d, "#tail"), "bytes were not shown as hex")
         browser.get(f"{base}/ui/#/stream/{quote('ui-kinds/log', safe='')}")
         wait(browser, 5, lambda d: text_of(d, "#tail-state") == "live", "the live tail never connected")
-        client.post(path("ui-kinds/log"), content=b"<b>plain</b> text", headers={"Content-Type": "text/plain"})
+        client.post(
+            path("ui-kinds/log"), content=b"<b>plain</b> text", headers={"Content-Type": "text/plain"}
+        )
         wait(browser, 2, lambda d: "<b>plain</b> text" in text_of(d, "#tail"), "text was not shown as text")
 
 
 @pytest.mark.parametrize(
     ("content_type", "document"),
     [
-        ("text/html", "<!doctype html><title>stream</title><p id='content'>hello</p><script>{script}</script>"),
+        (
+            "text/html",
+            "<!doctype html><title>stream</title><p id='content'>hello</p><script>{script}</script>",
+        ),
         (
             "image/svg+xml",
             "<svg xmlns='http://www.w3.org/2000/svg'><text id='content' y='20'>hello</text>"
@@ -227,13 +254,18 @@ def test_a_stream_opened_directly_cannot_run_script_in_the_ui_origin(
     )
     name = f"ui-evil/{kind}"
     with httpx.Client(base_url=base, timeout=5) as client:
-        created = client.put(path(name), headers={"Content-Type": content_type}, content=document.format(script=script))
+        created = client.put(
+            path(name), headers={"Content-Type": content_type}, content=document.format(script=script)
+        )
         assert created.status_code == 201
         # The UI's tab holds a token, as a real user's would.
         browser.get(f"{base}/ui/")
         browser.find_element(By.ID, "token").send_keys("secret-token-of-the-ui")
         browser.find_element(By.CSS_SELECTOR, "#token-form button[type=submit]").click()
-        assert browser.execute_script("return sessionStorage.getItem('streamkeep.token')") == "secret-token-of-the-ui"
+        assert (
+            browser.execute_script("return sessionStorage.getItem('streamkeep.token')")
+            == "secret-token-of-the-ui"
+        )
 
         browser.get(f"{base}{path(name)}")  # the stream itself, in the same tab
         wait(browser, 5, lambda d: d.find_elements(By.ID, "content"), "the stream's document did not render")
@@ -247,11 +279,16 @@ def test_a_stream_opened_directly_cannot_run_script_in_the_ui_origin(
         browser.get(f"{base}/ui/")
         assert browser.execute_script("return localStorage.getItem('pwned')") is None
         assert "pwned" not in browser.execute_script("return document.cookie")
-        assert browser.execute_script("return sessionStorage.getItem('streamkeep.token')") == "secret-token-of-the-ui"
+        assert (
+            browser.execute_script("return sessionStorage.getItem('streamkeep.token')")
+            == "secret-token-of-the-ui"
+        )
         browser.find_element(By.ID, "token-clear").click()
 
 
-def test_with_auth_on_the_page_without_a_token_shows_401(browser: webdriver.Chrome, auth_server: ServerProcess) -> None:
+def test_with_auth_on_the_page_without_a_token_shows_401(
+    browser: webdriver.Chrome, auth_server: ServerProcess
+) -> None:
     base = auth_server.url
     admin = jwt.encode({"sub": "root", "scope": "admin", "exp": int(time.time()) + 600}, SECRET, "HS256")
     with httpx.Client(base_url=base, timeout=5, headers={"Authorization": f"Bearer {admin}"}) as client:
@@ -267,12 +304,19 @@ def test_with_auth_on_the_page_without_a_token_shows_401(browser: webdriver.Chro
     assert not browser.find_element(By.ID, "list-error").is_displayed()
     assert admin not in browser.current_url
     browser.get(f"{base}/ui/#/stream/{quote('ui-auth/secret', safe='')}")
-    wait(browser, 5, lambda d: text_of(d, "#tail-state") == "live", "the live tail did not connect with the token")
+    wait(
+        browser,
+        5,
+        lambda d: text_of(d, "#tail-state") == "live",
+        "the live tail did not connect with the token",
+    )
     browser.find_element(By.ID, "token-clear").click()
 
 
-def test_screenshots_for_the_readme(browser: webdriver.Chrome, open_server: ServerProcess, tmp_path: Path) -> None:
-    """Both pages render with data in them (the README's pictures, saved to docs/ with
+def test_screenshots_for_the_docs(
+    browser: webdriver.Chrome, open_server: ServerProcess, tmp_path: Path
+) -> None:
+    """Both pages render with data in them (docs/stream-browser.md's pictures, saved to docs/ with
     STREAMKEEP_SCREENSHOTS=1; elsewhere only checked)."""
     base = open_server.url
     docs = ROOT / "docs" if SCREENSHOTS else tmp_path
@@ -285,12 +329,25 @@ def test_screenshots_for_the_readme(browser: webdriver.Chrome, open_server: Serv
         ]:
             client.put(path(name), headers={"Content-Type": kind})
         for i in range(40):
-            client.post(path("orders/eu"), json={"order": i, "sku": f"A-{i % 7}", "qty": i % 3 + 1},
-                        headers={"Producer-Id": "checkout-1", "Producer-Epoch": "0", "Producer-Seq": str(i)})
-            client.post(path("logs/checkout"), content=f"GET /cart 200 {i} ms\n".encode(),
-                        headers={"Content-Type": "text/plain"})
-        client.post(path("sensors/raw"), content=bytes(range(64)), headers={"Content-Type": "application/octet-stream"})
-        client.put(path("orders/eu-replay"), headers={"Content-Type": "application/json", "Stream-Forked-From": path("orders/eu")})
+            client.post(
+                path("orders/eu"),
+                json={"order": i, "sku": f"A-{i % 7}", "qty": i % 3 + 1},
+                headers={"Producer-Id": "checkout-1", "Producer-Epoch": "0", "Producer-Seq": str(i)},
+            )
+            client.post(
+                path("logs/checkout"),
+                content=f"GET /cart 200 {i} ms\n".encode(),
+                headers={"Content-Type": "text/plain"},
+            )
+        client.post(
+            path("sensors/raw"),
+            content=bytes(range(64)),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        client.put(
+            path("orders/eu-replay"),
+            headers={"Content-Type": "application/json", "Stream-Forked-From": path("orders/eu")},
+        )
         client.post(path("orders/us"), json={"order": "closed"}, headers={"Stream-Closed": "true"})
         client.put(path("wake/pool"), headers={"Content-Type": "application/json"})
         client.put(
@@ -311,7 +368,11 @@ def test_screenshots_for_the_readme(browser: webdriver.Chrome, open_server: Serv
                     sent = client.post(
                         path("orders/eu"),
                         json={"order": seq, "sku": f"A-{seq % 7}", "qty": 1},
-                        headers={"Producer-Id": "checkout-1", "Producer-Epoch": "0", "Producer-Seq": str(seq)},
+                        headers={
+                            "Producer-Id": "checkout-1",
+                            "Producer-Epoch": "0",
+                            "Producer-Seq": str(seq),
+                        },
                     )
                     assert sent.status_code == 200
                     seq += 1

@@ -12,7 +12,7 @@ def session(app: str, master: str = "local[2]") -> Any:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    from streamkeep.segments import spark as sk
+    from streamkeep.segments.spark import source as sk
 
     spark = (
         SparkSession.builder.master(master)

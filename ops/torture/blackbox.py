@@ -82,7 +82,12 @@ class Options:
         )
         extra = f" --server-args='{' '.join(self.server_args)}'" if self.server_args else ""
         extra += f" --cluster {self.cluster}" if self.cluster else ""
-        return command + ("" if self.cold else " --no-cold") + ("" if self.retention else " --no-retention") + extra
+        return (
+            command
+            + ("" if self.cold else " --no-cold")
+            + ("" if self.retention else " --no-retention")
+            + extra
+        )
 
 
 @dataclass
@@ -133,7 +138,10 @@ class Run:
         self.root = Path(tempfile.mkdtemp(prefix=f"torture-{options.seed}-"))
         self.history = History(meta={"tier": "blackbox", **{k: str(v) for k, v in asdict(options).items()}})
         config = RunConfig(
-            fsync=options.fsync, fsync_interval=options.fsync_interval, cold=options.cold, retention=options.retention
+            fsync=options.fsync,
+            fsync_interval=options.fsync_interval,
+            cold=options.cold,
+            retention=options.retention,
         )
         self.checker = Checker(config)
         self.view = ClientView()

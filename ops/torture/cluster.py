@@ -501,7 +501,7 @@ class ClusterRun(Run):
         time.sleep(3.5)  # past --hibernate-after: every idle actor has let go of its files
         self.probe_fds(quiet=True)
         # The first again at the end: a recovery that finishes an interrupted cascading delete
-        # removes a fork without telling its source's member (storage/disk.py `_link_forks`),
+        # removes a fork without telling its source's member (storage/disk/storage.py `_link_forks`),
         # whose pin only a reconcile after that ends.
         for member_id in [*self.ids, self.ids[0]]:
             with self.server_lock:

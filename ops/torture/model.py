@@ -736,9 +736,7 @@ class Model:
         inc.tails.add(ended.time, tail, ended.id)
         inc.last_tail = max(inc.last_tail, tail)
 
-    def floor_seen(
-        self, inc: Incarnation, floor: int, started: OpStarted, ended: OpEnded, what: str
-    ) -> None:
+    def floor_seen(self, inc: Incarnation, floor: int, started: OpStarted, ended: OpEnded, what: str) -> None:
         """An answer that reports `floor` as the earliest position readers may ask for: it may not
         be below a floor reported by an answer that ended before this one began (the floor never
         goes down, across restarts too), nor past a tail that was already reported."""
@@ -894,12 +892,20 @@ class Model:
         self.checks["snapshot-entries"] += 1
         change = payloads.state_change(unit.value)
         value = unit.value if isinstance(unit.value, dict) else {}
-        operation = value.get("headers", {}).get("operation") if isinstance(value.get("headers"), dict) else None
+        operation = (
+            value.get("headers", {}).get("operation") if isinstance(value.get("headers"), dict) else None
+        )
         append = self.appends.get(change[1]) if change is not None and change[1] else None
         key = _change_key(append, change[1]) if append is not None and change is not None else None
         # A fork's state begins with its source's: the changes of its chain count.
         names = {i.name for i in inc.chain()}
-        if change is None or operation != "insert" or append is None or append.name not in names or key != change[0]:
+        if (
+            change is None
+            or operation != "insert"
+            or append is None
+            or append.name not in names
+            or key != change[0]
+        ):
             self.finding(
                 "snapshot-wrong",
                 f"{inc.label()}: position {unit.position} of a snapshot holds {unit.value!r:.120}, "

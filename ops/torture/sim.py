@@ -2,9 +2,10 @@
 
     python -m ops.torture sim --seed 7 --ops 2000 [--fsync always|interval|never] [--sync-method ...]
 
-The real actors, storage, archiver and service run inside one trio run on a `MockClock`, on
-`SimFileSystem` (ops/torture/simfs.py: every call can fail with ENOSPC, EIO, a short write or a
-failed fsync, and a power cut keeps an adversarial part of what was not synced) and `SimS3` (down,
+The server runs as `streamkeep serve` assembles it (streamkeep/assemble.py: the same actors,
+storage, cold tier, registry, retention, compaction and TTL sweep), inside one trio run on a
+`MockClock`, on `SimFileSystem` (ops/torture/simfs.py: every call can fail with ENOSPC, EIO, a
+short write or a failed fsync, and a power cut keeps an adversarial part of what was not synced) and `SimS3` (down,
 slow, failing, wiped, refusing deletes). Worker threads are `SimThreads` (run inline between seeded
 yields), and the server's clocks and randomness are seeded (`simthreads.deterministic`), so one
 seed replays exactly: the same operations, the same interleavings, the same faults, the same
@@ -43,7 +44,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlencode
 
@@ -59,18 +62,14 @@ from ops.torture.operations.registry import REGISTRY_STREAM
 from ops.torture.simfs import FaultPlan, SimFileSystem
 from ops.torture.sims3 import SimS3, SimS3Error
 from ops.torture.transport import SseParser
-from streamkeep.actors.supervisor import Supervisor
-from streamkeep.background import supervised
-from streamkeep.compaction import Compactor
+from streamkeep import config as settings_config
+from streamkeep.assemble import Injected, Server
 from streamkeep.protocol.model import Headers, Request
-from streamkeep.registry.keeper import RETENTION_RULE, RegistryKeeper
-from streamkeep.service import Service, ServiceOptions
+from streamkeep.server.service import Service
 from streamkeep.storage import files
-from streamkeep.storage.archiver import Archiver
 from streamkeep.storage.base import ByteBudget
-from streamkeep.storage.coldstore import ColdConfig
-from streamkeep.storage.disk import DiskStorage
-from streamkeep.storage.retention import Retention, RetentionRule
+from streamkeep.storage.cold.store import ColdConfig
+from streamkeep.storage.disk.storage import DiskStorage
 
 ROOT = Path("/data")
 OP_TIMEOUT = 120.0  # mock seconds; an operation taking longer is a hang, and a finding
@@ -135,7 +134,7 @@ class SimResult:
 
 
 class SimStore:
-    """`ObjectStore` (streamkeep.storage.coldstore) over `SimS3`."""
+    """`ObjectStore` (streamkeep.storage.cold.store) over `SimS3`."""
 
     def __init__(self, s3: SimS3, config: ColdConfig) -> None:
         self.s3 = s3
@@ -211,8 +210,7 @@ class SimTransport:
             to_bytes(call.body),
         )
         if call.mode == "send_and_vanish":
-            assert world.service.nursery is not None
-            world.service.nursery.start_soon(world.service.handle, request)
+            world.nursery.start_soon(world.service.handle, request)
             return Outcome(None, error="vanished", verdict=AMBIGUOUS)
         with trio.move_on_after(OP_TIMEOUT) as scope:
             response = await world.service.handle(request)
@@ -253,6 +251,7 @@ class World:
 
     storage: DiskStorage
     service: Service
+    nursery: trio.Nursery  # the server's: a request whose client vanished goes on there
 
 
 class Simulation:
@@ -270,7 +269,8 @@ class Simulation:
         # The server's wall clock in the simulation (simthreads.deterministic: EPOCH + mock time):
         # the clients write Stream-Expires-At by it, and the model judges expiry by event times.
         self.history = History(
-            clock=_ticking(time.time), meta={"tier": "sim", "seed": config.seed, "retention": str(config.retention)}
+            clock=_ticking(time.time),
+            meta={"tier": "sim", "seed": config.seed, "retention": str(config.retention)},
         )
         self.checker = Checker(RunConfig(config.fsync, config.fsync_interval, config.cold, config.retention))
         self.view = ClientView()
@@ -323,6 +323,7 @@ class Simulation:
         return ending
 
     async def _start(self, nursery: trio.Nursery) -> World:
+        """The server as `streamkeep serve` assembles it, on the simulated disk and bucket."""
         config = self.config
         storage = DiskStorage(
             ROOT,
@@ -339,52 +340,32 @@ class Simulation:
             io_threads=4,
             min_free_bytes=config.min_free_bytes,
         )
-        for attempt in range(50):  # a start can fail on an injected fault: not a finding, retry it
-            try:
-                await storage.start(nursery)
-                break
-            except OSError as error:
-                self.trace.append(f"start failed: {error}")
-                self.fs.faults.enabled = False
-                await trio.sleep(1.0)
-                if attempt == 49:
-                    raise
+        cold = None
         if config.cold:
             cold = ColdConfig(
                 "archive", "sim", None, None, create_bucket=True, high_water_bytes=60_000, cache_bytes=2048
             )
-            archiver = Archiver(storage, SimStore(self.s3, cold), cold, run_sync=self.det.threads.run_sync)
-            storage.cold = archiver
-            nursery.start_soon(supervised, "cold tier", archiver.run, archiver.health)
-        supervisor = Supervisor(storage, nursery, hibernate_after=5.0)
-        service = Service(
-            supervisor,
-            ServiceOptions(
-                long_poll_timeout=2.0, sse_close_after=4.0, read_chunk_bytes=700, live_window_bytes=2048
-            ),
+        injected = Injected(
+            storage=storage,
+            cold_config=cold,
+            object_store=partial(SimStore, self.s3),
+            run_sync=self.det.threads.run_sync,
+            # The data directory is on the simulated disk: keys and the readiness probe stay off the
+            # real one, and subscriptions (their webhooks need a real network) are not run.
+            state_on_disk=False,
+            subscriptions=False,
+            retry_start=self._retry_start,
         )
-        service.nursery = nursery
-        # `__registry__`, on as in a served process (streamkeep/http/server.py wires it so).
-        registry = RegistryKeeper(supervisor)
-        supervisor.lifecycle = service.registry = registry
-        await registry.start()
-        nursery.start_soon(supervised, "registry", registry.run, registry.health)
-        if config.retention:
-            # As streamkeep/http/server.py wires them, with the rules both tiers share.
-            service.compactor = Compactor(supervisor, nursery)
-            retention = Retention(
-                storage,
-                [
-                    RETENTION_RULE,
-                    *(RetentionRule(**rule) for rule in torture_retention.rules(config.segment_max_bytes)),
-                ],
-                interval=1.0,
-                notify=lambda name: [listener(name) for listener in list(supervisor.listeners)],
-                compact=service.compactor.start_due,
-            )
-            nursery.start_soon(supervised, "retention", retention.run, retention.health)
-        nursery.start_soon(supervised, "TTL sweep", service.sweep_expired, service.health)
-        return World(storage, service)
+        server = Server(_settings(config), nursery, injected)
+        await server.recover()
+        return World(storage, server.service, nursery)
+
+    async def _retry_start(self, error: OSError, attempt: int) -> bool:
+        """A start can fail on an injected fault: not a finding, retry it with the faults off."""
+        self.trace.append(f"start failed: {error}")
+        self.fs.faults.enabled = False
+        await trio.sleep(1.0)
+        return attempt < 49
 
     # ---- workers ----------------------------------------------------------------------
 
@@ -597,6 +578,20 @@ class Simulation:
                 return
 
 
+def _settings(config: SimConfig) -> SimpleNamespace:
+    """The settings `streamkeep serve` would run with, sized for the simulation: short live
+    reads, small reads and live windows, actors that hibernate soon, retention every second."""
+    settings = settings_config.load(None, env={})
+    settings.server.hibernate_after = 5.0
+    settings.server.long_poll_timeout = 2.0
+    settings.server.sse_close_after = 4.0
+    settings.limits.read_chunk_bytes = 700
+    settings.limits.live_window_bytes = 2048
+    settings.retention.interval = 1.0
+    settings.retention.rules = torture_retention.rules(config.segment_max_bytes) if config.retention else []
+    return settings
+
+
 def _ticking(clock: Callable[[], float]) -> Callable[[], float]:
     """`clock`, made strictly increasing by a microsecond where it stands still. Mock time stands
     still between checkpoints, so a delete and the create after it would share an instant, and
@@ -718,7 +713,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--power-cuts", action="store_true", help="also under --fsync interval|never (see above)"
     )
     parser.add_argument("--no-cold", action="store_true")
-    parser.add_argument("--no-retention", action="store_true", help="no retention rules, no compaction")
+    parser.add_argument(
+        "--no-retention",
+        action="store_true",
+        help="no retention rules (the registry is still compacted, as when served)",
+    )
     parser.add_argument(
         "--trace", metavar="TEXT", help="print the file system and S3 calls that mention TEXT"
     )

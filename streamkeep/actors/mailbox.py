@@ -1,4 +1,4 @@
-"""Messages to an actor and the one-shot replies that come back."""
+"""The envelopes in an actor's mailbox and the one-shot replies that come back."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ class Reply:
         return self._value
 
 
-@dataclass
-class Message:
-    handler: Callable[..., Awaitable[Any]]
-    args: tuple[Any, ...]
+@dataclass(slots=True)
+class Envelope:
+    """A message in an actor's mailbox: what to run, on what, and where the answer goes."""
+
+    handler: Callable[[Any, Any], Awaitable[Any]]
+    message: object
     reply: Reply

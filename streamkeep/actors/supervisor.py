@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import trio
 
+from streamkeep.actors.actor import LiveReaderMark, StreamActor
+from streamkeep.actors.host import Lifecycle
 from streamkeep.actors.mailbox import ActorGone, NotNow
-from streamkeep.actors.stream_actor import Lifecycle, LiveReaderMark, StreamActor
+from streamkeep.actors.messages import Ask
 from streamkeep.protocol.errors import not_found
 from streamkeep.storage.base import Storage
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 class Supervisor:
@@ -77,24 +81,25 @@ class Supervisor:
         finally:
             self._sweeping = False
 
-    def call_now(self, name: str, handler: str, *args: Any) -> Any:
-        """Runs the handler in the caller's task if the stream's actor is awake and idle (see
-        StreamActor.call_now), else raises NotNow and nothing happened."""
+    def call_now(self, name: str, message: Ask[R]) -> R:
+        """Runs the message's handler in the caller's task if the stream's actor is awake and idle
+        (see StreamActor.call_now), else raises NotNow and nothing happened."""
         actor = self._actors.get(name)
         if actor is None:
             raise NotNow
-        return actor.call_now(handler, *args)
+        return actor.call_now(message)
 
-    async def call(self, name: str, handler: str, *args: Any, must_exist: bool = True) -> Any:
-        """The handler's result; at once, without a checkpoint, when `call_now` can take it."""
+    async def call(self, name: str, message: Ask[R], *, must_exist: bool = True) -> R:
+        """The answer to `message` (actors/messages.py); at once, without a checkpoint, when
+        `call_now` can take it."""
         try:
-            return self.call_now(name, handler, *args)
+            return self.call_now(name, message)
         except NotNow:
             pass
         while True:
             actor = self.actor(name, must_exist=must_exist)
             try:
-                return await actor.call(handler, *args)
+                return await actor.call(message)
             except ActorGone:
                 continue
 

@@ -10,13 +10,11 @@ probes, the subscriptions' JWKS, and the wake endpoints, which check tokens of t
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
 from collections.abc import Callable
 
-from streamkeep import routes
 from streamkeep.auth.errors import AuthError, forbidden, rate_limited, unauthorized
 from streamkeep.auth.jwks import JwksSource
 from streamkeep.auth.links import LinkKeys
@@ -24,16 +22,21 @@ from streamkeep.auth.links import verify as verify_link
 from streamkeep.auth.quotas import Quotas
 from streamkeep.auth.scopes import Grants
 from streamkeep.auth.tokens import Principal, TokenVerifier, UnknownKey
+from streamkeep.protocol import responses, routes
+from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
-from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
+from streamkeep.protocol.names import CONTROL_PREFIX, STREAM_PREFIX, WAKE_ACTIONS, parse_stream_name
 from streamkeep.registry.entries import NAME as REGISTRY
-from streamkeep.subscriptions.config import CONTROL_PREFIX, WAKE_ACTIONS
 
 REALM = 'Bearer realm="streamkeep"'
 _WAKE_ENDPOINTS = tuple(f"/{action}" for action in WAKE_ACTIONS)
 _READ_METHODS = ("GET", "HEAD")
 # Which grants allow an action on the registry, named exactly (globs never reach it, see below).
-_REGISTRY_GRANTS = {"read": ("read", "write", "read_names"), "append": ("append", "write"), "write": ("write",)}
+_REGISTRY_GRANTS = {
+    "read": ("read", "write", "read_names"),
+    "append": ("append", "write"),
+    "write": ("write",),
+}
 # Writes the append quota counts: appends, closes, and creates and forks (which may carry a body).
 _CHARGED = frozenset((routes.APPEND, routes.CLOSE, routes.CREATE, routes.FORK))
 
@@ -121,7 +124,9 @@ class Gate:
 
     def _link(self, request: Request, value: str) -> Principal:
         if self.link_keys is None:
-            raise unauthorized("bad_link", "signed links are not configured on this server (--auth-link-keys)")
+            raise unauthorized(
+                "bad_link", "signed links are not configured on this server (--auth-link-keys)"
+            )
         if not request.raw_path.startswith(STREAM_PREFIX):
             raise unauthorized("bad_link", "a signed link grants reading one stream only")
         try:
@@ -159,7 +164,9 @@ class Gate:
             if not grants.allows(needed, route.name):
                 raise forbidden(f"this token does not grant {needed} on {route.name!r}")
             if route.name == REGISTRY and not _names_registry(grants, needed):
-                raise forbidden(f"{REGISTRY} lists every stream: it needs {needed}:{REGISTRY} itself or admin, not a glob")
+                raise forbidden(
+                    f"{REGISTRY} lists every stream: it needs {needed}:{REGISTRY} itself or admin, not a glob"
+                )
             if route.fork_source is not None and not grants.allows("read", route.fork_source):
                 raise forbidden(f"a fork needs read on its source {route.fork_source!r}")
             if kind in _CHARGED and self.quotas is not None:
@@ -179,7 +186,8 @@ class Gate:
         if wait is not None:
             seconds = max(1, math.ceil(wait))
             raise rate_limited(
-                seconds, f"append quota of this token exceeded; retry in {seconds} s or ask for a bigger quota"
+                seconds,
+                f"append quota of this token exceeded; retry in {seconds} s or ask for a bigger quota",
             )
 
     def stats(self) -> dict:
@@ -201,8 +209,7 @@ def _names_registry(grants: Grants, needed: str) -> bool:
 
 def auth_response(error: AuthError) -> Response:
     """401 with `WWW-Authenticate: Bearer` (RFC 6750), 403 insufficient_scope, or 429."""
-    body = json.dumps({"error": {"code": error.reason, "message": error.message}}).encode()
-    headers = [("Content-Type", "application/json"), ("Cache-Control", "no-store")]
+    headers = [("Cache-Control", responses.NO_STORE)]
     if error.status == 401:
         challenge = REALM
         if error.reason != "missing_token":
@@ -212,7 +219,7 @@ def auth_response(error: AuthError) -> Response:
         headers.append(("WWW-Authenticate", f'{REALM}, error="insufficient_scope"'))
     if error.retry_after is not None:
         headers.append(("Retry-After", str(max(1, math.ceil(error.retry_after)))))
-    return Response(error.status, headers, body)
+    return responses.error(ProtocolError(error.status, error.reason, error.message, headers))
 
 
 def _quoted(text: str) -> str:

@@ -27,6 +27,8 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 
 from streamkeep.auth.errors import unauthorized
 from streamkeep.auth.tokens import KEY_ALGORITHMS
+from streamkeep.background import Backoff
+from streamkeep.health import Causes
 
 log = logging.getLogger("streamkeep.auth")
 
@@ -35,8 +37,6 @@ MAX_KEYS = 100  # real sets hold a handful; the cap bounds parsing a hostile doc
 MIN_RSA_BITS = 2048
 FETCH_TIMEOUT = 10.0
 REFRESH_WAIT = 5.0  # the longest a request waits for a refresh it asked for
-FIRST_BACKOFF = 1.0
-MAX_BACKOFF = 60.0
 
 # Which key type (and curves) can make each algorithm's signatures.
 _KEY_TYPES: dict[str, tuple[str, frozenset[str] | None]] = {
@@ -85,9 +85,10 @@ class JwksKeys:
                 return None
             entry = next(iter(self._keys.values()))
         else:
-            entry = self._keys.get(kid)
-            if entry is None:
+            found = self._keys.get(kid)
+            if found is None:
                 return None
+            entry = found
         if entry.alg != alg:
             # The key is known, so refreshing the set would not help: refuse now.
             raise unauthorized(
@@ -284,7 +285,7 @@ class JwksSource:
         self._pending: _Attempt | None = None  # asked for, not started yet
         self._wake = trio.Event()
         self._running = False
-        self._logged: set[str] = set()  # failure causes logged since the last success
+        self._logged: Causes[str, str] = Causes()  # failure causes told since the last success
         self._skipped_logged: list[str] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -295,13 +296,14 @@ class JwksSource:
             raise RuntimeError("JwksSource.run is already running")
         self._running = True
         task_status.started()
-        backoff = FIRST_BACKOFF
+        backoff = Backoff(jitter=0)
         try:
             while True:
                 if await self._attempt():
-                    delay, backoff = self.refresh_interval, FIRST_BACKOFF
+                    backoff.reset()
+                    delay = self.refresh_interval
                 else:
-                    delay, backoff = backoff, min(backoff * 2, MAX_BACKOFF)
+                    delay = backoff.failed()
                 with trio.move_on_after(delay):
                     await self._wake.wait()
                 self._wake = trio.Event()
@@ -369,8 +371,7 @@ class JwksSource:
     def _failed(self, cause: str) -> bool:
         self.failures += 1
         self.last_error = cause
-        if cause not in self._logged and len(self._logged) < 20:
-            self._logged.add(cause)
+        if len(self._logged.current) < 20 and self._logged.failed(cause, cause):
             consequence = (
                 "keeping the keys loaded before"
                 if self.loaded.is_set()
@@ -399,7 +400,7 @@ class JwksSource:
             if self._skipped_logged:
                 log.warning("JWKS %s: skipped %s", self.location, "; ".join(self._skipped_logged))
         self.last_error = None
-        self._logged.clear()
+        self._logged = Causes()  # over: each cause is told again if it comes back
         self.loaded.set()
         if removed and self._on_change is not None:
             try:

@@ -117,7 +117,7 @@ class Quotas:
     def _evict(self, now: float) -> None:
         # Free a tenth at once, so the scan runs once per max_subjects/10 new subjects, not per one.
         excess = len(self._buckets) - (self._max_subjects - max(1, self._max_subjects // 10))
-        victims = []
+        victims: list[str] = []
         for subject, bucket in self._buckets.items():
             if len(victims) >= excess:
                 break

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from streamkeep.subscriptions.globs import Glob, compile_glob
+from streamkeep.protocol.globs import Glob, compile_glob
 
 ACTIONS = ("read", "append", "write", "admin")
 GLOB_KINDS = ("read", "append", "write")

@@ -32,7 +32,9 @@ from typing import Any
 
 import trio
 
+from streamkeep.actors.messages import AttachFork, DetachFork, RaisePin
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.background import Backoff
 from streamkeep.cluster.peers import PeerOps, Peers, PeerUnavailable
 from streamkeep.cluster.placement import Member
 from streamkeep.health import Health
@@ -89,11 +91,15 @@ class RemoteForks:
         return ReadResult([bytes(m) for m in answer["messages"]], int(answer["next"]))
 
     async def probe(self, name: str, position: int) -> tuple[bool, int | None]:
-        answer = await self.peers.call(self._owner(name), "fork.probe", {"source": name, "position": position})
+        answer = await self.peers.call(
+            self._owner(name), "fork.probe", {"source": name, "position": position}
+        )
         end = answer["end"]
         return bool(answer["boundary"]), None if end is None else int(end)
 
-    async def attach(self, fork: ForkSpec, content_type: str | None, *, fork_name: str, pin: str) -> ForkSource:
+    async def attach(
+        self, fork: ForkSpec, content_type: str | None, *, fork_name: str, pin: str
+    ) -> ForkSource:
         payload = {
             "source": fork.source,
             "offset": fork.offset_token,
@@ -141,14 +147,18 @@ class RemoteForks:
 
     def _check_mine(self, name: str) -> None:
         if self.peers.elsewhere(name) is not None:
-            raise ProtocolError(503, "stale_placement", f"{name!r} is not this member's stream", [("Retry-After", "1")])
+            raise ProtocolError(
+                503, "stale_placement", f"{name!r} is not this member's stream", [("Retry-After", "1")]
+            )
 
     def _source_log(self, payload: dict[str, Any]) -> Any:
         name = _text(payload, "source")
         self._check_mine(name)
         stream_log = self.storage.open(name)  # soft-deleted included: forks still read it
         if stream_log is None:
-            raise ProtocolError(503, "fork_source_missing", f"the source {name!r} of a fork is missing; see the startup log")
+            raise ProtocolError(
+                503, "fork_source_missing", f"the source {name!r} of a fork is missing; see the startup log"
+            )
         return stream_log
 
     async def _answer_read(self, _caller: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +178,9 @@ class RemoteForks:
         return {"messages": result.messages, "next": result.next_position}
 
     async def _answer_probe(self, _caller: str, payload: dict[str, Any]) -> dict[str, Any]:
-        boundary, end = await forks.probe(self.storage, self._source_log(payload), _position(payload, "position"))
+        boundary, end = await forks.probe(
+            self.storage, self._source_log(payload), _position(payload, "position")
+        )
         return {"boundary": boundary, "end": end}
 
     async def _answer_attach(self, _caller: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +196,7 @@ class RemoteForks:
         content_type = payload.get("content_type")
         pin = (_text(payload, "pin"), _text(payload, "fork"))
         self._check_mine(spec.source)
-        source: ForkSource = await self.supervisor.call(spec.source, "attach_fork", spec, content_type, pin)
+        source: ForkSource = await self.supervisor.call(spec.source, AttachFork(spec, content_type, pin))
         self.attached += 1
         return {
             "content_type": source.content_type,
@@ -199,7 +211,7 @@ class RemoteForks:
     async def _answer_detach(self, _caller: str, payload: dict[str, Any]) -> dict[str, Any]:
         name = _text(payload, "source")
         if self.storage.open(name) is not None:
-            await self.supervisor.call(name, "detach_fork", _text(payload, "pin"))
+            await self.supervisor.call(name, DetachFork(_text(payload, "pin")))
         return {}
 
     async def _answer_exists(self, _caller: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -229,14 +241,13 @@ class RemoteForks:
     async def run(self) -> None:
         """Reconciles at start and every `reconcile_interval`; an unreachable member is retried
         on the next round (logged once, counted in /stats), never taken as "absent"."""
-        retry = RETRY_FIRST
+        retry = Backoff(RETRY_FIRST, self.reconcile_interval, jitter=0)
         while True:
             await self.reconcile_once()
             if self._missed:  # a member did not answer, or a pin could not go: again soon, backing off
-                await trio.sleep(min(retry, self.reconcile_interval))
-                retry *= 2
+                await trio.sleep(retry.failed())
             else:
-                retry = RETRY_FIRST
+                retry.reset()
                 await trio.sleep(self.reconcile_interval)
 
     async def reconcile_once(self) -> int:
@@ -256,9 +267,13 @@ class RemoteForks:
             else:
                 try:
                     answer = await self.peers.call(
-                        self.peers.member_of(member_id), "fork.exists", {"forks": [[f, p] for _, f, p in pins]}
+                        self.peers.member_of(member_id),
+                        "fork.exists",
+                        {"forks": [[f, p] for _, f, p in pins]},
                     )
-                    answers = list(zip((str(s) for s in answer["states"]), (int(n) for n in answer["lows"]), strict=True))
+                    answers = list(
+                        zip((str(s) for s in answer["states"]), (int(n) for n in answer["lows"]), strict=True)
+                    )
                 except ProtocolError as error:
                     self.health.failed(f"fork pin reconcile with {member_id}", error.message)
                     self._missed = True
@@ -267,7 +282,7 @@ class RemoteForks:
             for (source, fork_name, pin), (state, low) in zip(pins, answers, strict=True):
                 if state == PRESENT:
                     try:  # its own retention may have moved on: hold no more than it reads
-                        await self.supervisor.call(source, "raise_pin", pin, low)
+                        await self.supervisor.call(source, RaisePin(pin, low))
                     except ProtocolError as error:
                         self.health.failed("fork pin reconcile", f"{source}: {error.message}")
                     continue
@@ -276,13 +291,15 @@ class RemoteForks:
                 if state != ABSENT:
                     continue
                 try:
-                    await self.supervisor.call(source, "detach_fork", pin)
+                    await self.supervisor.call(source, DetachFork(pin))
                 except ProtocolError as error:
                     self.health.failed("fork pin reconcile", f"{source}: {error.message}")
                     self._missed = True
                     continue
                 dropped += 1
-                log.warning("cluster: fork %r of %r is gone; dropped its pin on the source", fork_name, source)
+                log.warning(
+                    "cluster: fork %r of %r is gone; dropped its pin on the source", fork_name, source
+                )
         self.pins_dropped += dropped
         self.reconciles += 1
         return dropped
@@ -291,7 +308,11 @@ class RemoteForks:
         return {
             "remote_reads": self.remote_reads,
             "attached": self.attached,
-            "pins": sum(len(log.meta.remote_forks) for name in self.storage.names() if (log := self.storage.open(name))),
+            "pins": sum(
+                len(log.meta.remote_forks)
+                for name in self.storage.names()
+                if (log := self.storage.open(name))
+            ),
             "pins_dropped": self.pins_dropped,
             "reconciles": self.reconciles,
             **self.health.stats(),

@@ -51,7 +51,9 @@ def stamp_header(secret: str, member: str, method: str, target: str, now: float 
     return f"{member} {stamp} {signature(secret, member, stamp, method, target)}"
 
 
-def forwarded_by(request: Request, secret: str, members: tuple[Member, ...], now: float | None = None) -> str | None:
+def forwarded_by(
+    request: Request, secret: str, members: tuple[Member, ...], now: float | None = None
+) -> str | None:
     """The member that forwarded `request`, None if no member did; 403 for a header that does not
     verify (a client cannot pass itself off as a member)."""
     value = request.headers.get(HEADER)
@@ -66,7 +68,9 @@ def forwarded_by(request: Request, secret: str, members: tuple[Member, ...], now
         or not parts[1].isdigit()
         or abs(current - int(parts[1])) > MAX_SKEW_SECONDS
         or not _HEX64.fullmatch(parts[2])
-        or not hmac.compare_digest(parts[2], signature(secret, parts[0], int(parts[1]), request.method, request.target))
+        or not hmac.compare_digest(
+            parts[2], signature(secret, parts[0], int(parts[1]), request.method, request.target)
+        )
     ):
         raise ProtocolError(403, "bad_cluster_signature", "Streamkeep-Forwarded is for cluster members only")
     return parts[0]
@@ -145,7 +149,11 @@ class Forwarder:
         except httpx.HTTPError:
             raise unavailable(owner) from None
         self.forwarded += 1
-        kept = [(name, value) for name, value in answer.headers.multi_items() if name.lower() not in _NOT_FORWARDED]
+        kept = [
+            (name, value)
+            for name, value in answer.headers.multi_items()
+            if name.lower() not in _NOT_FORWARDED
+        ]
         if "content-length" in answer.headers or request.method == "HEAD" or answer.status_code in (204, 304):
             try:
                 body = await answer.aread()

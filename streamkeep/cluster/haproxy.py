@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from streamkeep.cluster.placement import SLOTS, Placement
-from streamkeep.protocol.names import STREAM_PREFIX
-from streamkeep.subscriptions.config import CONTROL_PREFIX
+from streamkeep.protocol.names import CONTROL_PREFIX, STREAM_PREFIX
 
 SUBSCRIPTIONS_PREFIX = CONTROL_PREFIX + "subscriptions/"
 # Fields of "/v1/stream/__ds/subscriptions/<id>/..." split on "/": the id is the sixth.

@@ -9,6 +9,12 @@ its status with `{"code", "message"}` and is raised again here as the same Proto
 caller's client sees the owner's own answer (a fork of a missing source: 404 from the source's
 member). A member that cannot be reached is `PeerUnavailable` (503, Retry-After).
 
+Whether a member is taken for down is kept here, once for every feature: a member whose last call
+failed unavailable (unreachable, or a 503 answer; a feature that gives up waiting says so too) is
+down until a call to it succeeds again (`Peers.down`). Calls a client waits for ask it first and
+fail at once instead of waiting for a hung member again and again (cluster subscriptions, the
+registry relay); a feature that watches a member waits on `went_down` and probes it.
+
 Each part registers the operations it answers in `PeerOps` (forks: `fork.*`, subscriptions:
 `sub.*`, the registry: `registry.*`); the service routes the request to them.
 """
@@ -21,13 +27,14 @@ from typing import Any
 
 import cbor2
 import httpx
+import trio
 
 from streamkeep.cluster.forward import HEADER, forwarded_by, stamp_header
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
+from streamkeep.protocol.names import CLUSTER_PREFIX
 
-PREFIX = "/_cluster/"
 # httpx logs every request at INFO: one line per call between members would drown the server's own.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 CONTENT_TYPE = "application/cbor"
@@ -66,7 +73,7 @@ class PeerOps:
         """The answer to a member's call; `refusal` (a member still recovering) refuses any call."""
         caller = forwarded_by(request, secret, placement.members)
         if caller is None:
-            raise ProtocolError(403, "members_only", f"{PREFIX} is for calls between cluster members")
+            raise ProtocolError(403, "members_only", f"{CLUSTER_PREFIX} is for calls between cluster members")
         try:
             if refusal is not None:
                 raise refusal
@@ -89,7 +96,7 @@ class PeerOps:
     async def _dispatch(self, caller: str, request: Request) -> dict[str, Any]:
         if request.method != "POST":
             raise ProtocolError(405, "method_not_allowed", "cluster calls are POST", [("Allow", "POST")])
-        op = request.raw_path[len(PREFIX) :]
+        op = request.raw_path[len(CLUSTER_PREFIX) :]
         handler = self._handlers.get(op)
         if handler is None:
             raise ProtocolError(404, "unknown_cluster_call", f"no cluster operation {op[:80]!r} here")
@@ -102,6 +109,33 @@ class PeerOps:
         return await handler(caller, payload)
 
 
+class DownMembers:
+    """The members taken for down, and why: the first cause stands until a call answers."""
+
+    def __init__(self) -> None:
+        self._why: dict[str, str] = {}
+        self._went_down: dict[str, trio.Event] = {}
+
+    def why(self, member_id: str) -> str | None:
+        """Why `member_id` is taken for down, or None while it answers."""
+        return self._why.get(member_id)
+
+    def mark(self, member_id: str, why: str) -> None:
+        if member_id not in self._why:
+            self._why[member_id] = why
+            event = self._went_down.pop(member_id, None)
+            if event is not None:
+                event.set()
+
+    def answered(self, member_id: str) -> None:
+        self._why.pop(member_id, None)
+
+    async def went_down(self, member_id: str) -> None:
+        """Returns once `member_id` is taken for down (at once if it is)."""
+        while member_id not in self._why:
+            await self._went_down.setdefault(member_id, trio.Event()).wait()
+
+
 class Peers:
     """This member's calls to the others (one connection pool)."""
 
@@ -112,6 +146,7 @@ class Peers:
         self.secret = secret
         self.calls = 0
         self.failures = 0
+        self.down = DownMembers()
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=2.0, read=timeout, write=timeout, pool=5.0),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
@@ -134,7 +169,7 @@ class Peers:
         return None if owner.id == self.member else owner
 
     async def call(self, member: Member, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        target = PREFIX + op
+        target = CLUSTER_PREFIX + op
         headers = {
             HEADER: stamp_header(self.secret, self.member, "POST", target),
             "content-type": CONTENT_TYPE,
@@ -147,23 +182,31 @@ class Peers:
             )
         except httpx.HTTPError as error:
             self.failures += 1
-            raise PeerUnavailable(member, type(error).__name__) from None
+            unavailable = PeerUnavailable(member, type(error).__name__)
+            self.down.mark(member.id, unavailable.message)
+            raise unavailable from None
         try:
             body = cbor2.loads(answer.content) if answer.content else {}
         except (cbor2.CBORDecodeError, ValueError):
             body = None
         if answer.status_code == 200 and isinstance(body, dict):
+            self.down.answered(member.id)
             return body
         if isinstance(body, dict) and isinstance(body.get("code"), str):
             retry = answer.headers.get("retry-after")
-            raise ProtocolError(
+            refusal = ProtocolError(
                 answer.status_code,
                 body["code"],
                 str(body.get("message", "")),
                 [("Retry-After", retry)] if retry else [],
             )
+            if refusal.status == 503:
+                self.down.mark(member.id, refusal.message)
+            raise refusal
         self.failures += 1
-        raise PeerUnavailable(member, f"answered {answer.status_code} without a cluster body")
+        unavailable = PeerUnavailable(member, f"answered {answer.status_code} without a cluster body")
+        self.down.mark(member.id, unavailable.message)
+        raise unavailable
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -42,8 +42,10 @@ from typing import Any
 import trio
 
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.background import Backoff
 from streamkeep.cluster.peers import PeerOps, Peers
 from streamkeep.cluster.placement import Member
+from streamkeep.health import Causes
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.registry.entries import NAME
 from streamkeep.registry.keeper import RegistryKeeper
@@ -57,8 +59,6 @@ RECONCILE = "registry.reconcile"
 LIST_SECONDS = 5.0  # the most a reconcile waits for a member's list (it holds the lock meanwhile)
 ACCEPT_SECONDS = 8.0  # a change decided later than this after it was sent is refused
 GIVE_UP_SECONDS = 10.0  # a member waits this long for the keeper to take a change (> ACCEPT_SECONDS)
-FIRST_RETRY = 1.0
-MAX_RETRY = 60.0
 
 
 class LateChange(ProtocolError):
@@ -79,19 +79,20 @@ class Unreached:
     def __init__(self, consequence: str) -> None:
         self.consequence = consequence
         self.causes: dict[str, str] = {}  # member -> "code: message"
+        self._told: Causes[str, tuple[str, str]] = Causes()  # member -> (member, code)
         self.failures = 0
 
     def failed(self, member_id: str, cause: str) -> None:
         self.failures += 1
-        previous = self.causes.get(member_id)
         self.causes[member_id] = cause
-        if previous is None or _code(previous) != _code(cause):
+        if self._told.failed(member_id, (member_id, _code(cause))):
             log.warning(
                 "registry: member %s: %s; %s (logged once per cause)", member_id, cause, self.consequence
             )
 
     def cleared(self, member_id: str) -> None:
-        if self.causes.pop(member_id, None) is not None:
+        self.causes.pop(member_id, None)
+        if self._told.cleared(member_id) is not None:
             log.info("registry: member %s answers again", member_id)
 
 
@@ -154,18 +155,17 @@ class ClusterKeeper(RegistryKeeper):
 
     async def _catch_up(self) -> None:
         """Asks the members that did not answer again, with backoff, until they do."""
-        delay = FIRST_RETRY
+        backoff = Backoff(jitter=0)
         while True:
             if not self.behind.causes:
-                delay = FIRST_RETRY
+                backoff.reset()
                 await self._wake.wait()
                 self._wake = trio.Event()
                 continue
-            await trio.sleep(delay)
+            await trio.sleep(backoff.failed())
             answering = await self._answering(sorted(self.behind.causes))
             if answering:
                 await self.reconcile_members(answering)
-            delay = min(MAX_RETRY, delay * 2)
 
     async def _answering(self, member_ids: list[str]) -> list[str]:
         """The members that answer a probe, asked outside the lock: a member that is down or hung

@@ -8,8 +8,9 @@ stream's change stands and the relay owes the registry a repair: it asks the kee
 this member's part (`registry.reconcile`, which lists our streams back) at once, then, while
 that fails, with backoff from 1 s doubling to 60 s (cut short when the keeper calls for our
 list: it is back), logging once per cause (a warning) and showing `owed` and its `cause` in
-its /stats section. While it owes one after a failed call, changes are not sent at all (no create
-waits on an owner known to be down); the repair's list covers them.
+its /stats section. While the keeper is taken for down (`Peers.down`: its last call failed
+unavailable, whichever feature made it), changes are not sent at all (no create waits on an owner
+known to be down); the repair's list covers them.
 
 A change that failed while a repair was under way may be missing from the list that repair
 took, so such a repair does not settle the debt: another round follows. At start the member owes
@@ -26,13 +27,12 @@ from typing import Any
 
 import trio
 
+from streamkeep.background import Backoff
 from streamkeep.cluster.peers import PeerOps, Peers
 from streamkeep.cluster.registry import (
     CHANGE,
-    FIRST_RETRY,
     GIVE_UP_SECONDS,
     LIST,
-    MAX_RETRY,
     RECONCILE,
     Unreached,
 )
@@ -56,7 +56,6 @@ class RegistryRelay:
         self.health = Health()
         self.owed = True  # reconciled at start: see the module docstring
         self._owed_changes = 0  # changes not taken since start; a repair settles those before it
-        self._skip = False  # the keeper failed us: changes wait for the repair instead
         self._due = trio.Event()
         self._due.set()
         self._heard = trio.Event()  # set when the keeper calls: the backoff ends early
@@ -82,7 +81,7 @@ class RegistryRelay:
         self._owe()
 
     async def _send(self, name: str, value: dict[str, Any] | None) -> None:
-        if self._skip:
+        if self.peers.down.why(self.keeper.id) is not None:
             self._owe()
             return
         try:
@@ -91,7 +90,7 @@ class RegistryRelay:
                     self.keeper, CHANGE, {"name": name, "value": value, "sent": self.clock()}
                 )
         except (ProtocolError, trio.TooSlowError) as error:
-            self._skip = True
+            self._gave_up(error)
             self._owe(_cause(error))
         except Exception as error:  # a bug here must not fail the stream's own change
             log.exception("registry: sending the entry of %r failed", name)
@@ -111,34 +110,36 @@ class RegistryRelay:
 
     async def run(self) -> None:
         """Pays what is owed, with backoff; started once this member answers the keeper's calls."""
-        delay = FIRST_RETRY
+        backoff = Backoff(jitter=0)
         while True:
             await self._due.wait()
             self._due = trio.Event()
             if not self.owed:
                 continue
-            settles = self._owed_changes
-            self._skip = False  # changes during the round are sent; one that fails owes another
+            settles = self._owed_changes  # a change owed during the round owes another one
             try:
                 with trio.fail_after(GIVE_UP_SECONDS):
                     await self.peers.call(self.keeper, RECONCILE, {})
             except (ProtocolError, trio.TooSlowError) as error:
-                self._skip = True
+                self._gave_up(error)
                 self._fail(*_cause(error))
                 self._due.set()
                 self._heard = trio.Event()
-                with trio.move_on_after(delay):
+                with trio.move_on_after(backoff.failed()):
                     await self._heard.wait()  # the keeper asking for our list: it is back, try now
-                    delay = FIRST_RETRY / 2
-                delay = min(MAX_RETRY, delay * 2)
+                    backoff.reset()
                 continue
             self.repairs += 1
-            delay = FIRST_RETRY
+            backoff.reset()
             if self._owed_changes == settles:
                 self.owed = False
                 self.unreached.cleared(self.keeper.id)
             else:
                 self._due.set()  # one failed meanwhile: the list may have missed it
+
+    def _gave_up(self, error: Exception) -> None:
+        if isinstance(error, trio.TooSlowError):  # unanswered: down, as an unreachable one is
+            self.peers.down.mark(self.keeper.id, f"no answer within {GIVE_UP_SECONDS:g} s")
 
     def _fail(self, code: str, message: str) -> None:
         self.unreached.failed(self.keeper.id, f"{code}: {message}")

@@ -7,19 +7,23 @@
 - Without a cluster secret members cannot call each other: the keeper lists only its own streams
   (as each member did before), the others list nothing, and a warning says so.
 
-A single process (no `[cluster]`) never comes here: http/server.py starts a plain `RegistryKeeper`.
+A single process (no `[cluster]`) never comes here: assemble.py starts a plain `RegistryKeeper`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import trio
 
+from streamkeep.actors.messages import DELETE
+from streamkeep.actors.supervisor import Supervisor
 from streamkeep.background import supervised
+from streamkeep.cluster.peers import PeerOps, Peers
+from streamkeep.cluster.placement import Placement
 from streamkeep.cluster.registry import ClusterKeeper
 from streamkeep.cluster.registry_relay import RegistryRelay
 from streamkeep.protocol.errors import ProtocolError
@@ -27,21 +31,32 @@ from streamkeep.registry import entries
 from streamkeep.registry.entries import NAME
 from streamkeep.registry.keeper import RegistryKeeper
 
-if TYPE_CHECKING:
-    from streamkeep.service import Service
-
 log = logging.getLogger(__name__)
 
 
-async def start(service: Service, nursery: trio.Nursery) -> Callable[[], Awaitable[None]] | None:
+@dataclass(frozen=True)
+class RegistryPart:
+    """What this member plays: the keeper (None on the others), its /stats section (None: no
+    part at all), and what to start once the member answers calls (None: nothing)."""
+
+    keeper: RegistryKeeper | None = None
+    stats: Callable[[], dict] | None = None
+    later: Callable[[], Awaitable[None]] | None = None
+
+
+async def start(
+    supervisor: Supervisor,
+    placement: Placement,
+    member_id: str,
+    peers: Peers | None,
+    peer_ops: PeerOps,
+    nursery: trio.Nursery,
+) -> RegistryPart:
     """Sets this member's part up before streams are served (a keeper reconciles, or raises
-    RegistryConflict); returns what to start once the member answers calls, if anything."""
-    placement = service.placement
-    assert placement is not None
-    supervisor = service.supervisor
+    RegistryConflict)."""
     keeper_id = placement.owner(NAME).id
-    if keeper_id == service.member_id:
-        if service.peers is None:
+    if keeper_id == member_id:
+        if peers is None:
             log.warning(
                 "%s lists only this member's streams: without a cluster secret the other members "
                 "cannot send it theirs",
@@ -49,28 +64,25 @@ async def start(service: Service, nursery: trio.Nursery) -> Callable[[], Awaitab
             )
             registry = RegistryKeeper(supervisor)
         else:
-            registry = ClusterKeeper(supervisor, service.peers)
-            registry.register(service.peer_ops)
+            registry = ClusterKeeper(supervisor, peers)
+            registry.register(peer_ops)
         supervisor.lifecycle = registry
         await registry.start()
-        service.registry = registry
-        service.stats_sources["registry"] = registry.stats
         nursery.start_soon(supervised, "registry", registry.run, registry.health)
-        return None
-    await _drop_local(service)
-    if service.peers is None:
-        return None
-    relay = RegistryRelay(supervisor.storage, service.peers)
-    relay.register(service.peer_ops)
+        return RegistryPart(registry, registry.stats)
+    await _drop_local(supervisor)
+    if peers is None:
+        return RegistryPart()
+    relay = RegistryRelay(supervisor.storage, peers)
+    relay.register(peer_ops)
     supervisor.lifecycle = relay
-    service.stats_sources["registry"] = relay.stats
-    return partial(supervised, "registry relay", relay.run, relay.health)
+    return RegistryPart(None, relay.stats, partial(supervised, "registry relay", relay.run, relay.health))
 
 
-async def _drop_local(service: Service) -> None:
+async def _drop_local(supervisor: Supervisor) -> None:
     """Deletes a `__registry__` this member kept before the cluster had one (see above); a stream
     so named that was not one (a client's, made with the registry off) is left alone."""
-    existing = service.supervisor.storage.open(NAME)
+    existing = supervisor.storage.open(NAME)
     if existing is None:
         return
     reason = entries.unadoptable(existing.meta)
@@ -78,7 +90,7 @@ async def _drop_local(service: Service) -> None:
         log.warning("%s here is not a registry (%s); left as it is, out of reach", NAME, reason)
         return
     try:
-        await service.supervisor.call(NAME, "delete")
+        await supervisor.call(NAME, DELETE)
     except ProtocolError as error:
         log.warning("%s kept here before the cluster had one could not be deleted: %s", NAME, error.message)
         return

@@ -34,9 +34,10 @@ from streamkeep.cluster.placement import Member, Placement, slot
 from streamkeep.cluster.run import recorded, write_toml
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.segments import layout
-from streamkeep.storage import files, manifest
-from streamkeep.storage.directory import RUNNING, DataDirectory
-from streamkeep.storage.meta import decode_meta, encode_meta
+from streamkeep.storage import files
+from streamkeep.storage.disk import manifest
+from streamkeep.storage.disk.directory import RUNNING, DataDirectory
+from streamkeep.storage.disk.meta import decode_meta, encode_meta
 from streamkeep.subscriptions.store import SUFFIX as SUBSCRIPTION_SUFFIX
 
 PLAN = "resize.json"
@@ -85,7 +86,9 @@ def resize(data_dir: Path, processes: int, *, say: Callable[[str], None] = print
     else:
         old, current_epoch = recorded(data_dir)
         if not old:
-            raise ResizeError(f"{data_dir / 'cluster.toml'} is missing: {data_dir} is not a `streamkeep cluster run` directory")
+            raise ResizeError(
+                f"{data_dir / 'cluster.toml'} is missing: {data_dir} is not a `streamkeep cluster run` directory"
+            )
         new, epoch = [f"m{i}" for i in range(processes)], current_epoch + 1
         if new == old:
             raise ResizeError(f"{data_dir} already has {processes} processes")
@@ -107,7 +110,9 @@ def resize(data_dir: Path, processes: int, *, say: Callable[[str], None] = print
         if stream.member != owner:
             destination = data_dir / owner / layout.STREAMS / stream.directory.name
             if destination.exists():
-                raise ResizeError(f"{stream.meta.name!r} is in both {stream.directory} and {destination}; keep one")
+                raise ResizeError(
+                    f"{stream.meta.name!r} is in both {stream.directory} and {destination}; keep one"
+                )
             os.rename(stream.directory, destination)
             files.fsync_dir(files.OS, stream.directory.parent)
             files.fsync_dir(files.OS, destination.parent)
@@ -143,7 +148,9 @@ def _streams(data_dir: Path, members: list[str]) -> dict[str, Stream]:
                 continue  # a create a crash interrupted: the member's own start cleans it up
             meta = decode_meta(meta_path.read_bytes())
             if meta.name in found:
-                raise ResizeError(f"{meta.name!r} is in both {found[meta.name].directory} and {directory}; keep one")
+                raise ResizeError(
+                    f"{meta.name!r} is in both {found[meta.name].directory} and {directory}; keep one"
+                )
             found[meta.name] = Stream(meta, directory)
     return found
 
@@ -151,7 +158,9 @@ def _streams(data_dir: Path, members: list[str]) -> dict[str, Stream]:
 def _held_from(stream: Stream) -> int:
     """The first position whose bytes the stream still holds itself (local or in the bucket)."""
     starts = [layout.segment_start(p.name) for p in stream.directory.glob("*" + layout.SEGMENT_SUFFIX)]
-    starts += [layout.segment_start(entry["file"]) for entry in manifest.load_manifest(files.OS, stream.directory)]
+    starts += [
+        layout.segment_start(entry["file"]) for entry in manifest.load_manifest(files.OS, stream.directory)
+    ]
     return min(starts, default=stream.meta.fork_base)
 
 
@@ -189,7 +198,9 @@ def _fix_pins(streams: dict[str, Stream], target: Placement, report: Report) -> 
         if apart and pin is None:
             low = min(_held_low(streams, source), fork.meta.fork_base)
             incarnations = _incarnations(streams, fork.meta)
-            _write(streams, fork.meta.name, replace(fork.meta, fork_low=low, source_incarnations=incarnations))
+            _write(
+                streams, fork.meta.name, replace(fork.meta, fork_low=low, source_incarnations=incarnations)
+            )
             pinned = (*pins, (fork.meta.stream_id, fork.meta.name, low))
             _write(streams, source.meta.name, replace(source.meta, remote_forks=pinned))
             report.pins_added += 1

@@ -22,6 +22,7 @@ import time
 import tomllib
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from streamkeep.cluster import haproxy
 from streamkeep.cluster.placement import Member, Placement
@@ -70,11 +71,13 @@ def relay(member_id: str, process: subprocess.Popen[str]) -> None:
         sys.stderr.write(f"[{member_id}] {line.replace('streamkeep listening on', 'member listening on')}")
 
 
-def wait_until_listening(host: str, port: int, process: subprocess.Popen, seconds: float = 30) -> None:  # type: ignore[type-arg]
+def wait_until_listening(host: str, port: int, process: subprocess.Popen[Any], seconds: float = 30) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise ClusterError(f"haproxy exited with status {process.returncode} while starting; see its output above")
+            raise ClusterError(
+                f"haproxy exited with status {process.returncode} while starting; see its output above"
+            )
         try:
             with socket.create_connection((host, port), timeout=1):
                 return
@@ -104,7 +107,7 @@ def write_toml(path: Path, members: list[Member], epoch: int) -> None:
     files.replace(files.OS, path.parent, path.name, text.encode())  # whole or not at all
 
 
-def wait_until_up(url: str, process: subprocess.Popen, what: str, seconds: float = 60) -> None:  # type: ignore[type-arg]
+def wait_until_up(url: str, process: subprocess.Popen[Any], what: str, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -157,7 +160,7 @@ def run(
         pem.write_text(Path(tls_cert).read_text() + Path(tls_key).read_text())
         pem.chmod(0o600)
     config = haproxy.write(placement, lb, bind=host, port=port, tls_cert=None if pem is None else str(pem))
-    children: list[tuple[str, subprocess.Popen]] = []  # type: ignore[type-arg]
+    children: list[tuple[str, subprocess.Popen[Any]]] = []
     stop = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -171,7 +174,9 @@ def run(
                        "--cluster-member", member.id, "--host", "127.0.0.1",
                        "--port", member.address.rsplit(":", 1)[1], "--data-dir", str(data_dir / member.id)]  # fmt: skip
             env = {**os.environ, "DS_CLUSTER__SECRET": secret}  # not in argv, which `ps` shows
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
             threading.Thread(target=relay, args=(member.id, process), daemon=True).start()
             children.append((f"member {member.id}", process))
         for (what, process), member in zip(children, members, strict=True):

@@ -25,16 +25,16 @@ forwarded to it. The keeper follows streams on every member:
 A member that cannot be reached costs retries with backoff (up to 10 s, and at once when it says
 hello again), one log line per cause and counters in the subscriptions' `/stats`; never a crash.
 A member whose last call failed unavailable (503: unreachable, no answer within 5 s) is taken for
-down: calls a client waits for (creations, added streams, acks past the known tail, wake events,
-a claim's catch-up) fail at once for it (503, Retry-After) instead of waiting 5 s again each time,
-as the registry relay skips a keeper that failed it, until a probe (`sub.states` of no path, with
-the same backoff), a report or its hello shows it answers again.
+down (`Peers` keeps that, for every feature alike): calls a client waits for (creations, added
+streams, acks past the known tail, wake events, a claim's catch-up) fail at once for it (503,
+Retry-After) instead of waiting 5 s again each time, as the registry relay skips a keeper that is
+down, until a probe (`sub.states` of no path, with the same backoff), a report, its hello or any
+other call to it shows it answers again.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -42,6 +42,7 @@ from urllib.parse import unquote
 import trio
 
 from streamkeep.actors.supervisor import Supervisor
+from streamkeep.background import Backoff
 from streamkeep.cluster.forward import Forwarder, forwarded_by
 from streamkeep.cluster.peers import PeerOps, Peers, PeerUnavailable
 from streamkeep.cluster.placement import Member
@@ -53,10 +54,12 @@ from streamkeep.cluster.subscriptions_view import (
     state_of,
     subscription_owner,
 )
+from streamkeep.health import Causes
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
+from streamkeep.protocol.names import CONTROL_PREFIX
 from streamkeep.protocol.responses import error as error_response
-from streamkeep.subscriptions.config import CONTROL_PREFIX, check_id
+from streamkeep.subscriptions.config import check_id
 from streamkeep.subscriptions.delivery import append_wake_event
 from streamkeep.subscriptions.manager import SubscriptionManager
 from streamkeep.subscriptions.state import Subscription
@@ -70,10 +73,6 @@ RETRY_MAX_S = 10.0
 KNOWN_DOWN = "it failed a call just before; it is asked again once it answers"
 
 
-def retry_delay(attempt: int) -> float:
-    return min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(attempt - 1, 8)) * random.uniform(0.8, 1.2)
-
-
 class _Member:
     """What this member owes one other member, and how talking to it goes."""
 
@@ -84,13 +83,8 @@ class _Member:
         self.retry_now = trio.Event()  # it said hello: stop backing off
         self.greeted = False  # subscriptions exchanged since this process started
         self.failures = 0  # calls that failed
-        self.failing: str | None = None  # the cause now, logged once
         self.reports = 0  # states reported
-        self.attempt = 0  # failures in a row
-        # Why it is taken for down (its last call failed unavailable): calls clients wait for fail
-        # at once until it answers again. None while it answers.
-        self.down: str | None = None
-        self.trouble = trio.Event()  # taken for down: the watcher probes it
+        self.retry = Backoff(RETRY_MIN_S, RETRY_MAX_S)
 
     def poke(self) -> None:
         self.wake.set()
@@ -119,6 +113,8 @@ class SubscriptionPeers:
         self.interests = Interests()  # the other members' subscriptions
         self._mine: dict[str, Interest] = {}  # what this member's subscriptions follow, as told
         self._members = {member.id: _Member(member) for member in peers.others()}
+        # Why calls to a member fail now, told once per member and cause.
+        self._failing: Causes[str, tuple[str, str]] = Causes()
         self._nursery: trio.Nursery | None = None
         self.forwarded = 0
         for op, handler in (
@@ -164,9 +160,8 @@ class SubscriptionPeers:
         """Exchanges subscriptions with `state.member` once (it greets us itself when it restarts),
         then, whenever it is taken for down, probes it with backoff until it answers again."""
         while True:
-            if state.greeted and state.down is None:
-                await state.trouble.wait()
-                state.trouble = trio.Event()
+            if state.greeted and self.peers.down.why(state.member.id) is None:
+                await self.peers.down.went_down(state.member.id)
                 continue
             what = "hello" if not state.greeted else "probe"
             try:
@@ -204,30 +199,27 @@ class SubscriptionPeers:
                 self._recovered(state)
 
     async def _pause(self, state: _Member) -> None:
-        with trio.move_on_after(retry_delay(state.attempt)):
+        with trio.move_on_after(state.retry.failed()):
             await state.retry_now.wait()
         if state.retry_now.is_set():  # two tasks may wait on it (reports and the watcher)
             state.retry_now = trio.Event()
 
     def _failed(self, state: _Member, what: str, error: Exception) -> None:
-        state.failures += 1
-        state.attempt += 1
-        if isinstance(error, ProtocolError) and error.status == 503:
-            self._mark_down(state, error)
+        state.failures += 1  # a 503 has already made peers take it for down
         if isinstance(error, ProtocolError):
             cause = f"{what}: {error.status} {error.code}"
         else:
             cause = f"{what}: {type(error).__name__}"
-            if state.failing != cause:
+        if self._failing.failed(state.member.id, (state.member.id, cause)):
+            if not isinstance(error, ProtocolError):
                 log.error("subscriptions: %s to member %r failed", what, state.member.id, exc_info=error)
-        if state.failing != cause:
-            if isinstance(error, ProtocolError) and what == "hello" and error.status == 503:
+            elif what == "hello" and error.status == 503:
                 log.info(
                     "subscriptions: member %r is not up yet (%s); greeting it again soon",
                     state.member.id,
                     error.message,
                 )
-            elif isinstance(error, ProtocolError):
+            else:
                 log.warning(
                     "subscriptions: %s to member %r failed (%s); retrying with backoff, further failures "
                     "are counted in /stats",
@@ -235,22 +227,15 @@ class SubscriptionPeers:
                     state.member.id,
                     error.message,
                 )
-            state.failing = cause
-
-    def _mark_down(self, state: _Member, error: ProtocolError) -> None:
-        """`state.member` failed unavailable: calls clients wait for fail at once until it answers."""
-        if state.down is None:
-            state.down = error.message
-            state.trouble.set()
 
     def _recovered(self, state: _Member) -> None:
-        state.attempt = 0
-        state.down = None
-        if state.failing is not None:
+        state.retry.reset()
+        self.peers.down.answered(state.member.id)
+        told = self._failing.cleared(state.member.id)
+        if told is not None:
             log.info(
-                "subscriptions: member %r answers again (it failed with %s)", state.member.id, state.failing
+                "subscriptions: member %r answers again (it failed with %s)", state.member.id, told[0][1]
             )
-            state.failing = None
 
     # ---- greetings ---------------------------------------------------------------------------
 
@@ -267,7 +252,7 @@ class SubscriptionPeers:
         """`state.member`'s subscriptions replace what we knew of them, and everything they follow
         here is reported again."""
         interests = {sub_id: Interest.from_wire(raw) for sub_id, raw in said["interests"].items()}
-        self.interests.replace(state.member.id, tuple(said["stamp"]), interests)  # type: ignore[arg-type]
+        self.interests.replace(state.member.id, tuple(said["stamp"]), interests)
         storage = self.supervisor.storage
         for path in storage.names():
             if self.interests.matches(state.member.id, path):
@@ -287,15 +272,15 @@ class SubscriptionPeers:
             self._take_hello(state, payload)
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ProtocolError(400, "bad_cluster_call", f"a bad hello: {error}") from None
-        state.attempt = 0
-        state.down = None
+        state.retry.reset()
+        self.peers.down.answered(caller)
         state.retry_now.set()  # it is back: what failed to reach it goes now
         return answer
 
     # ---- this member's subscriptions ---------------------------------------------------------
 
     async def announce(self, sub: Subscription, extra: tuple[str, ...] = ()) -> None:
-        down = next((state for state in self._members.values() if state.down is not None), None)
+        down = next((state for state in self._members.values() if self._down(state)), None)
         if down is not None:
             # Known to be failing: refused at once, nobody told (a hung member must not cost every
             # creation 5 s); a probe finds out when it answers again.
@@ -389,19 +374,20 @@ class SubscriptionPeers:
         """A call a client's request waits for: a member that does not answer soon is unavailable,
         and one known to be failing is not asked at all (`fail_fast`)."""
         state = self._members.get(member.id)
-        if fail_fast and state is not None and state.down is not None:
+        if fail_fast and state is not None and self._down(state):
             raise PeerUnavailable(member, KNOWN_DOWN)
-        try:
-            with trio.move_on_after(ASK_TIMEOUT_S):
-                answer = await self.peers.call(member, op, payload)
-                if state is not None:
-                    state.down = None
-                return answer
-            raise PeerUnavailable(member, f"no answer within {ASK_TIMEOUT_S:g} s")
-        except ProtocolError as error:
-            if state is not None and error.status == 503:
-                self._mark_down(state, error)
-            raise
+        with trio.move_on_after(ASK_TIMEOUT_S):
+            return await self.peers.call(member, op, payload)  # which tells peers how it went
+        slow = PeerUnavailable(member, f"no answer within {ASK_TIMEOUT_S:g} s")
+        self.peers.down.mark(member.id, slow.message)
+        raise slow
+
+    def _failing_with(self, member_id: str) -> str | None:
+        cause = self._failing.current.get(member_id)
+        return None if cause is None else cause[1]
+
+    def _down(self, state: _Member) -> bool:
+        return self.peers.down.why(state.member.id) is not None
 
     def _apply(self, member_id: str, said: dict[str, Any]) -> None:
         """A member's report on its streams: what changed is noticed by the subscriptions."""
@@ -428,7 +414,7 @@ class SubscriptionPeers:
             interest = None if raw is None else Interest.from_wire(raw)
         except (KeyError, TypeError, ValueError) as error:
             raise ProtocolError(400, "bad_cluster_call", f"a bad interest: {error}") from None
-        self.interests.update(caller, stamp, sub_id, interest)  # type: ignore[arg-type]
+        self.interests.update(caller, stamp, sub_id, interest)
         if interest is None:
             return {}
         storage = self.supervisor.storage
@@ -503,8 +489,9 @@ class SubscriptionPeers:
                     "to_report": len(state.dirty),
                     "reported": state.reports,
                     "failures": state.failures,
-                    "failing": state.failing,
-                    "down": state.down,  # why calls clients wait for are refused at once, while they are
+                    "failing": self._failing_with(member_id),
+                    # why calls clients wait for are refused at once, while they are
+                    "down": self.peers.down.why(member_id),
                 }
                 for member_id, state in self._members.items()
             },

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from streamkeep.cluster.placement import Member, Placement, slot
+from streamkeep.protocol.globs import Glob, compile_glob
 from streamkeep.storage.base import Storage
-from streamkeep.subscriptions.globs import Glob, compile_glob
 
 Stamp = tuple[int, int]
 # What a member says of one of its streams: None (gone: deleted, or soft-deleted while forks read
@@ -97,7 +97,7 @@ class RemoteStream:
 
 
 class RemoteStreams:
-    """The subscriptions' view of every stream (remote.StreamView): this member's from its
+    """The subscriptions' view of every stream (remote.KnownStreams): this member's from its
     storage, the others' as their members last reported them."""
 
     def __init__(self, placement: Placement, member_id: str, storage: Storage) -> None:
@@ -112,7 +112,7 @@ class RemoteStreams:
         self.applied = 0
         self.stale = 0  # reports older than one already applied
 
-    # ---- remote.StreamView -------------------------------------------------------------------
+    # ---- remote.KnownStreams -----------------------------------------------------------------
 
     def open(self, path: str) -> Any:
         stream_log = self.storage.open(path)

@@ -5,7 +5,7 @@ A streamkeep response carries the same handful of headers every time (CORS, the 
 types) and one or two values that change with every append (`Stream-Next-Offset`, `ETag`). With
 hpack's defaults each changing value was Huffman-coded and inserted into the connection's dynamic
 table, so every ~50 responses the constant headers were evicted and encoded again, Huffman and
-all: ~24 us of an append's ~245 us over h2c (docs/architecture.md). Here:
+all: ~24 us of an append's ~245 us over h2c (docs/benchmarks.md). Here:
 
 - a header already in the table is encoded by hpack once; its index bytes are kept and reused
   until the table changes (an insertion or a size change clears them);
@@ -16,6 +16,8 @@ The encoding itself stays hpack's: this only decides what it is asked to do and 
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import hpack
 
@@ -45,7 +47,7 @@ class ResponseEncoder(hpack.Encoder):
         self._indexed: dict[tuple[bytes, bytes], bytes] = {}
         self._table_size = self.header_table.maxsize
 
-    def encode(self, headers, huffman: bool = True) -> bytes:  # type: ignore[no-untyped-def, override]
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
         table = self.header_table
         if table.resized or table.maxsize != self._table_size:
             self._indexed.clear()

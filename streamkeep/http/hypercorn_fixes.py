@@ -1,4 +1,5 @@
-"""Two guards around hypercorn 0.18 so that no client can take the server down.
+"""Four patches to hypercorn 0.18 for the `--edge quart` edge: three guards so that no client can
+take the server down, and reason phrases on HTTP/1.1 status lines.
 
 1. HTTP/2 DATA for a stream whose response already went out (we answered 413 before the body
    finished) raises KeyError in `H2Protocol._handle_events` (hypercorn issues #161/#197; PR #365
@@ -9,14 +10,13 @@
 3. `TCPServer._close` calls `send_eof()` outside the connection's send lock, and trio's
    `send_eof` checkpoints inside its conflict detector, so a response being sent at that moment
    fails with BusyResourceError ("Error in ASGI Framework") and is lost. We take the lock first.
-4. HTTP/1.1 status lines get their reason phrase (`204 No Content`, not `204 `): legal without it,
-   but h2load's HTTP/1.1 mode counted every such response as failed, and other clients may too.
+4. HTTP/1.1 status lines get their reason phrase (`204 No Content`, not `204 `) from the table the
+   lean edge uses too (reasons.py).
 """
 
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 
 import h2.events
 import h2.exceptions
@@ -25,6 +25,9 @@ import trio
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.typing import H11SendableEvent
+
+from streamkeep.http.reasons import reason
 
 log = logging.getLogger(__name__)
 _applied = False
@@ -63,10 +66,10 @@ def apply() -> None:
             except Exception:
                 pass
 
-    async def send_h11_event_with_reason(self: H11Protocol, event: h11.Event) -> None:
+    async def send_h11_event_with_reason(self: H11Protocol, event: H11SendableEvent) -> None:
         if isinstance(event, h11.Response | h11.InformationalResponse) and not event.reason:
             event = type(event)(
-                status_code=event.status_code, headers=event.headers, reason=_reason(event.status_code)
+                status_code=event.status_code, headers=event.headers, reason=reason(event.status_code)
             )
         await original_send_h11_event(self, event)
 
@@ -93,10 +96,3 @@ def _discard(protocol: H2Protocol, event: h2.events.DataReceived) -> None:
         protocol.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
     except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
         pass
-
-
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b""

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from streamkeep import routes
-from streamkeep.protocol import responses
+from streamkeep.protocol import responses, routes
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
-from streamkeep.service import METRICS_CONTENT_TYPE, Service, alive
+from streamkeep.server import probes
+from streamkeep.server.service import Service
 
 
 class MetricsEndpoint:
@@ -28,13 +28,17 @@ class MetricsEndpoint:
         return self.handle(request)
 
     async def handle(self, request: Request) -> Response:
-        route = routes.classify(request) if not request.raw_path.startswith("/v1/") else routes.Route(routes.OTHER)
+        route = (
+            routes.classify(request)
+            if not request.raw_path.startswith("/v1/")
+            else routes.Route(routes.OTHER)
+        )
         if route.kind == routes.METRICS:
-            return Response(200, [("Content-Type", METRICS_CONTENT_TYPE), ("Cache-Control", "no-store")], self.page())
+            return probes.metrics(self.page)
         if route.kind == routes.HEALTH:
-            return alive()
+            return probes.alive()
         if route.kind == routes.READY:
-            return await self.service._ready()
+            return await self.service.ready()
         return responses.error(
             ProtocolError(404, "not_found", "this port serves /metrics, /healthz and /readyz only")
         )

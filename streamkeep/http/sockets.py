@@ -3,7 +3,7 @@
 trio's `receive_some` tries the call first and yields around it; after our answer the client's
 next request is almost never there yet, so that first try failed on every request. Waiting for
 readability, then reading, costs one checkpoint; writing an answer the kernel takes whole costs
-none (docs/architecture.md, "Where an append's microseconds go"). TLS streams go through trio.
+none (docs/benchmarks.md, "Where an append's microseconds go"). TLS streams go through trio.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ READ_SIZE = 65536
 async def receive(stream: trio.abc.Stream, fd: int | None) -> bytes:
     """The next bytes from the peer (b"" at its end): from `fd` directly when given."""
     if fd is None:
-        return await stream.receive_some(READ_SIZE)
+        return bytes(await stream.receive_some(READ_SIZE))  # bytes already: bytes() keeps it
     while True:
         await trio.lowlevel.wait_readable(fd)
         try:

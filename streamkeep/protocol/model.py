@@ -44,7 +44,7 @@ class PushTarget(Protocol):
     """What an edge offers for pushing a streaming response's bytes without waking its task.
 
     Live fan-out writes each change straight into every idle subscriber's socket from one loop
-    (see streamkeep.live). `frame` wraps a payload the way the edge's transfer needs (HTTP/1.1
+    (see streamkeep.server.fanout). `frame` wraps a payload the way the edge's transfer needs (HTTP/1.1
     chunks); `kind` names that framing, so subscribers on the same kind share the framed bytes.
     `write` must not block: it returns how many bytes the kernel took, and raises OSError if the
     peer is gone.

@@ -15,6 +15,14 @@ STREAM_PREFIX = "/v1/stream/"
 # The stream the server keeps its list of streams in (streamkeep/registry/): no client writes it.
 REGISTRY_STREAM = "__registry__"
 RESERVED_SEGMENT = "__ds"
+# The subscriptions' control API (PROTOCOL.md §6) lives under the reserved segment.
+CONTROL_PREFIX = f"{STREAM_PREFIX}{RESERVED_SEGMENT}/"
+# The wake endpoints (POST .../subscriptions/<id>/<action>) and the token kind each takes: they are
+# called with the subscription's own wake tokens, never the server's JWTs (auth/gate.py lets them
+# through; the subscriptions' wake protocol checks their tokens).
+WAKE_ACTIONS = {"callback": "callback", "ack": "claim", "release": "claim"}
+# Calls between cluster members (cluster/peers.py); never reachable through the front door.
+CLUSTER_PREFIX = "/_cluster/"
 MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
 _BROKEN_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")

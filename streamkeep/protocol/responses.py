@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 from streamkeep.protocol import jsonmode
 from streamkeep.protocol.cursor import response_cursor
@@ -13,6 +14,7 @@ from streamkeep.protocol.offsets import Offset, encode
 from streamkeep.protocol.stream import StreamMeta
 
 NO_STORE = "no-store"
+JSON = "application/json"
 # On every response but the stream browser's own files: a document the browser renders from a
 # stream (text/html, image/svg+xml opened directly) gets an opaque origin and runs no script, so
 # it can reach neither the UI's token nor the API as the UI's origin. fetch() ignores it.
@@ -23,6 +25,8 @@ CORS_ALLOW_HEADERS = (
     "Stream-Closed, Producer-Id, Producer-Epoch, Producer-Seq, Stream-Forked-From, "
     "Stream-Fork-Offset, Stream-Fork-Sub-Offset, Last-Event-ID"
 )
+
+
 def preflight() -> Response:
     return Response(
         204,
@@ -34,9 +38,19 @@ def preflight() -> Response:
     )
 
 
-def error(err: ProtocolError) -> Response:
-    body = json.dumps({"error": {"code": err.code, "message": err.message}}).encode()
-    return Response(err.status, [("Content-Type", "application/json"), *err.headers], body)
+def json_response(status: int, body: object, headers: Iterable[tuple[str, str]] = ()) -> Response:
+    """A JSON answer about the server's own state (stats, probes, subscriptions): never cached."""
+    return Response(
+        status,
+        [("Content-Type", JSON), ("Cache-Control", NO_STORE), *headers],
+        json.dumps(body).encode(),
+    )
+
+
+def error(err: ProtocolError, **fields: object) -> Response:
+    """Every refusal's body: `{"error": {"code", "message", ...fields}}`, with the error's headers."""
+    body = json.dumps({"error": {"code": err.code, "message": err.message, **fields}}).encode()
+    return Response(err.status, [("Content-Type", JSON), *err.headers], body)
 
 
 def etag(meta: StreamMeta, start: Offset | str, end: int, closed_at_end: bool, floor: int = 0) -> str:
@@ -100,6 +114,7 @@ __all__ = [
     "etag",
     "head",
     "if_none_match_hits",
+    "json_response",
     "preflight",
     "response_cursor",
     "sse_uses_base64",

@@ -78,7 +78,9 @@ class StateFold:
         """The messages of a snapshot of the state as it stands at stream offset `offset`."""
         messages = [_encode({"headers": {"control": "snapshot-start", "offset": offset}})]
         for (kind, key), value in sorted(self.state.items()):
-            messages.append(_encode({"type": kind, "key": key, "value": value, "headers": {"operation": "insert"}}))
+            messages.append(
+                _encode({"type": kind, "key": key, "value": value, "headers": {"operation": "insert"}})
+            )
         messages.append(_encode({"headers": {"control": "snapshot-end", "offset": offset}}))
         return messages
 
@@ -90,5 +92,5 @@ class StateFold:
         return out
 
 
-def _encode(message: dict) -> bytes:
+def _encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()

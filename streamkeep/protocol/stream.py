@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from streamkeep.protocol import headers as h
 from streamkeep.protocol import jsonmode
 from streamkeep.protocol.errors import ProtocolError, bad_request, conflict
+from streamkeep.protocol.model import Headers
 from streamkeep.protocol.names import STREAM_PREFIX, parse_stream_name
 from streamkeep.protocol.offsets import Offset, decode, encode, incarnation_of
 
@@ -85,7 +86,7 @@ class ForkSpec:
     sub_offset: int
 
     @classmethod
-    def from_headers(cls, headers: h.Headers) -> ForkSpec | None:
+    def from_headers(cls, headers: Headers) -> ForkSpec | None:
         """The fork headers of a PUT (§4.2), validated; None for a plain create."""
         source = headers.get("stream-forked-from")
         offset = headers.get("stream-fork-offset")
@@ -142,7 +143,7 @@ class CreateSpec:
     fork: ForkSpec | None = None
 
     @classmethod
-    def from_request(cls, headers: h.Headers, body: bytes) -> CreateSpec:
+    def from_request(cls, headers: Headers, body: bytes) -> CreateSpec:
         content_type = h.content_type_for_create(headers)
         ttl = h.ttl_seconds(headers)
         expires = h.expires_at(headers)
@@ -211,7 +212,7 @@ class AppendSpec:
     stream_seq: str | None
 
     @classmethod
-    def from_request(cls, headers: h.Headers, body: bytes) -> AppendSpec:
+    def from_request(cls, headers: Headers, body: bytes) -> AppendSpec:
         spec = cls(
             content_type=h.content_type_for_append(headers),
             body=body,

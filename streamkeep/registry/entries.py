@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from streamkeep import routes
+from streamkeep.protocol import routes
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.headers import is_json
 from streamkeep.protocol.names import REGISTRY_STREAM

@@ -26,7 +26,9 @@ from typing import Any
 
 import trio
 
-from streamkeep.actors.stream_actor import PendingAppend, fold_range
+from streamkeep.actors.folding import fold_range
+from streamkeep.actors.messages import Append, Create
+from streamkeep.actors.replies import PendingAppend
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.health import Health
 from streamkeep.protocol.errors import ProtocolError
@@ -36,8 +38,8 @@ from streamkeep.registry import entries
 from streamkeep.registry.entries import CONTENT_TYPE, NAME
 from streamkeep.storage import forks
 from streamkeep.storage.base import Storage, StreamLog
-from streamkeep.storage.directory import FormatError
-from streamkeep.storage.retention import RetentionRule
+from streamkeep.storage.disk.directory import FormatError
+from streamkeep.storage.disk.retention import RetentionRule
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +191,7 @@ class RegistryKeeper:
         stream_log = self.storage.open(NAME)
         if stream_log is None:
             spec = CreateSpec(CONTENT_TYPE, None, None, False, [])
-            await self.supervisor.call(NAME, "create", spec, must_exist=False)
+            await self.supervisor.call(NAME, Create(spec), must_exist=False)
             stream_log = self.storage.open(NAME)
             if stream_log is None:
                 raise ProtocolError(503, "registry_unavailable", f"{NAME} could not be created")
@@ -199,7 +201,7 @@ class RegistryKeeper:
         """Sequences one append of `messages` in the registry's actor; its commit is the caller's
         to wait for."""
         body = b"[" + b",".join(messages) + b"]"
-        return await self.supervisor.call(NAME, "append", AppendSpec(CONTENT_TYPE, body, False, None, None))
+        return await self.supervisor.call(NAME, Append(AppendSpec(CONTENT_TYPE, body, False, None, None)))
 
     def _live(self) -> dict[str, dict[str, Any]]:
         return live_streams(self.storage, self.clock())

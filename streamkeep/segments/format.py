@@ -109,8 +109,18 @@ def frame_append(header: dict, payload: bytes) -> bytes:
     return _frame(KIND_APPEND, header, payload)
 
 
-def encode_append(start: int, time_ms: int, messages: list[bytes], **fields) -> bytes:  # type: ignore[no-untyped-def]
-    header = append_header(start, time_ms, [len(m) for m in messages], **fields)
+def encode_append(
+    start: int,
+    time_ms: int,
+    messages: list[bytes],
+    *,
+    producer: tuple[str, int, int] | None = None,
+    closes: bool = False,
+    stream_seq: str | None = None,
+) -> bytes:
+    header = append_header(
+        start, time_ms, [len(m) for m in messages], producer=producer, closes=closes, stream_seq=stream_seq
+    )
     return frame_append(header, b"".join(messages))
 
 

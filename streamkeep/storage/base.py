@@ -183,7 +183,9 @@ class RemoteSources(Protocol):
         """Whether `position` starts a message of `name`, and where the append holding it ends."""
         ...
 
-    async def attach(self, fork: ForkSpec, content_type: str | None, *, fork_name: str, pin: str) -> ForkSource:
+    async def attach(
+        self, fork: ForkSpec, content_type: str | None, *, fork_name: str, pin: str
+    ) -> ForkSource:
         """The source's `attach_fork`, run by its owner, which saves a pin for the fork first."""
         ...
 

@@ -53,7 +53,9 @@ async def read_range(
             source_name = meta.forked_from
         else:
             source = _source(storage, log)
-            head = await read_range(storage, source, start, max_bytes, whole_messages=whole_messages, limit=cap)
+            head = await read_range(
+                storage, source, start, max_bytes, whole_messages=whole_messages, limit=cap
+            )
             source_name = source.meta.name
         if not head.messages and head.next_position <= start:
             # The source ends before the fork point: never answer "nothing here, but read on".

@@ -1,5 +1,6 @@
-"""The control API under `/v1/stream/__ds/` (§6-7): create, read and delete subscriptions, their
-explicit streams, the JWKS, and the fenced wake endpoints (callback, claim, ack, release).
+"""The control API under `/v1/stream/__ds/` (§6): the owners' side of subscriptions (create, read
+and delete them and their explicit streams) and the JWKS; the wake endpoints it routes to
+`wakes.py`, the workers' side.
 
 Every change happens under the subscription's lock inside `store.change`: it is saved before the
 answer, and a change that cannot be saved is undone and answered like any storage trouble
@@ -9,7 +10,7 @@ answer, and a change that cannot be saved is undone and answered like any storag
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from urllib.parse import unquote
@@ -17,52 +18,30 @@ from urllib.parse import unquote
 import trio
 
 from streamkeep.auth.tokens import Principal
-from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, bad_request
 from streamkeep.protocol.model import Request, Response
+from streamkeep.protocol.names import CONTROL_PREFIX, WAKE_ACTIONS
+from streamkeep.protocol.responses import error, json_response
 from streamkeep.subscriptions.config import (
-    CONTROL_PREFIX,
-    WAKE_ACTIONS,
     SubscriptionConfig,
     check_id,
     normalize_streams,
+    not_found,
     refuse_wake_stream,
 )
-from streamkeep.subscriptions.delivery import Delivery, token_ttl
+from streamkeep.subscriptions.delivery import Delivery
 from streamkeep.subscriptions.faults import Faults
 from streamkeep.subscriptions.links import Links
 from streamkeep.subscriptions.remote import Remote
 from streamkeep.subscriptions.signing import Keys
-from streamkeep.subscriptions.state import Owner, Subscription, Wake
+from streamkeep.subscriptions.state import Owner, Subscription
 from streamkeep.subscriptions.store import Store
 from streamkeep.subscriptions.urls import check_webhook_url
-
-
-def _error(error: ProtocolError, **extra: object) -> Response:
-    body = {"error": {"code": error.code, "message": error.message, **extra}}
-    return Response(
-        error.status, [("Content-Type", "application/json"), *error.headers], json.dumps(body).encode()
-    )
-
-
-def _json(status: int, body: object) -> Response:
-    return Response(
-        status,
-        [("Content-Type", "application/json"), ("Cache-Control", "no-store")],
-        json.dumps(body).encode(),
-    )
-
-
-def _fenced() -> ProtocolError:
-    return ProtocolError(409, "FENCED", "this wake is over: its generation or wake id is stale")
+from streamkeep.subscriptions.wakes import Wakes
 
 
 def _forbidden(message: str) -> ProtocolError:
     return ProtocolError(403, "FORBIDDEN", message)
-
-
-def _not_found(sub_id: str) -> ProtocolError:
-    return ProtocolError(404, "SUBSCRIPTION_NOT_FOUND", f"no subscription {sub_id!r}")
 
 
 # With auth on, subscriptions one token subject may own (each is walked at every publish).
@@ -99,9 +78,9 @@ class ControlApi:
         keys: Keys,
         delivery: Delivery,
         faults: Faults,
+        wakes: Wakes,
         *,
         allow_loopback: bool,
-        now: Callable[[], float],
     ) -> None:
         self.subs = subs
         self.links = links
@@ -109,8 +88,8 @@ class ControlApi:
         self.keys = keys
         self.delivery = delivery
         self.faults = faults
+        self.wakes = wakes
         self.allow_loopback = allow_loopback
-        self.now = now
         self._creating = _Creating()  # one creation of an id at a time
         self.remote: Remote | None = None  # in a cluster: the other members' streams
 
@@ -131,13 +110,13 @@ class ControlApi:
             check_id(sub_id)
             action = parts[2] if len(parts) > 2 else ""
             return await self._dispatch(request, sub_id, action)
-        except ProtocolError as error:
-            return _error(error)
+        except ProtocolError as refusal:
+            return error(refusal)
 
     async def _dispatch(self, request: Request, sub_id: str, action: str) -> Response:
         method = request.method
         if action not in WAKE_ACTIONS and not (action == "" and method == "PUT"):
-            self._check_owner(request.principal, sub_id)
+            self.check_owner(request.principal, sub_id)
         if action == "":
             if method == "PUT":
                 return await self._put(request, sub_id)
@@ -152,13 +131,13 @@ class ControlApi:
         elif action in WAKE_ACTIONS and method == "POST":
             # The token is checked before the subscription is looked up, so the public wake
             # endpoints answer the same 401 whether or not an id exists.
-            self._authorized_id(request, sub_id, WAKE_ACTIONS[action])
-            return await getattr(self, f"_{action}")(request, self._get(sub_id))
+            self.wakes.authorize(request, sub_id, WAKE_ACTIONS[action])
+            return await self.wakes.answer(action, request, self._get(sub_id))
         elif action == "claim" and method == "POST":
-            return await self._claim(request, self._get(sub_id))
+            return await self.wakes.claim(request, self._get(sub_id))
         raise ProtocolError(405, "METHOD_NOT_ALLOWED", f"{method} is not supported on this control path")
 
-    def _check_owner(self, principal: Principal | None, sub_id: str) -> None:
+    def check_owner(self, principal: Principal | None, sub_id: str) -> None:
         """With auth on, a subscription is its creator's and the admins': to anyone else it does
         not exist (404). The creator is the same token subject holding at least the grants the
         subscription was created with, so a narrow token of the same user (a browser's read token
@@ -173,7 +152,7 @@ class ControlApi:
             or owner.subject != principal.subject
             or not set(owner.grants.to_list()) <= set(principal.grants.to_list())
         ):
-            raise _not_found(sub_id)
+            raise not_found(sub_id)
 
     def _owner(self, principal: Principal | None, config: SubscriptionConfig) -> Owner | None:
         """The owner a new subscription records, after checking that its creator may read every
@@ -186,7 +165,9 @@ class ControlApi:
         if not any(kind in ("read", "write") for kind, _, _ in (e.partition(":") for e in grants.to_list())):
             raise _forbidden("this token grants reading no stream, so a subscription would follow nothing")
         owned = sum(
-            1 for sub in self.subs.values() if sub.owner is not None and sub.owner.subject == principal.subject
+            1
+            for sub in self.subs.values()
+            if sub.owner is not None and sub.owner.subject == principal.subject
         )
         if owned >= MAX_SUBSCRIPTIONS_PER_OWNER:
             raise _forbidden(
@@ -197,13 +178,15 @@ class ControlApi:
             if not grants.allows("read", path):
                 raise _forbidden(f"this token does not grant read on {path!r}")
         if config.wake_stream is not None and not grants.allows("append", config.wake_stream):
-            raise _forbidden(f"pull-wake appends to {config.wake_stream!r}: this token does not grant append on it")
+            raise _forbidden(
+                f"pull-wake appends to {config.wake_stream!r}: this token does not grant append on it"
+            )
         return Owner(principal.subject, grants)
 
     def _get(self, sub_id: str) -> Subscription:
         sub = self.subs.get(sub_id)
         if sub is None or sub.deleted:
-            raise _not_found(sub_id)
+            raise not_found(sub_id)
         return sub
 
     def _view(self, sub: Subscription) -> dict:
@@ -243,7 +226,7 @@ class ControlApi:
             existing = self.subs.get(sub_id)
             if existing is not None and not existing.deleted:
                 try:
-                    self._check_owner(request.principal, sub_id)
+                    self.check_owner(request.principal, sub_id)
                 except ProtocolError:
                     raise ProtocolError(
                         409, "SUBSCRIPTION_EXISTS", f"subscription id {sub_id!r} is taken; choose another"
@@ -270,14 +253,14 @@ class ControlApi:
                 raise
             self.subs[sub_id] = sub
             self.delivery.start(sub)
-        return _json(201, self._view(sub))
+        return json_response(201, self._view(sub))
 
     async def _read(self, sub: Subscription) -> Response:
         async with sub.lock:
             if sub.deleted:
-                raise _not_found(sub.id)
+                raise not_found(sub.id)
             self.links.absorb(sub)  # deleted streams are not shown, new ones are
-            return _json(200, self._view(sub))
+            return json_response(200, self._view(sub))
 
     async def _delete(self, sub: Subscription) -> Response:
         async with sub.lock:
@@ -309,7 +292,7 @@ class ControlApi:
             await self.remote.announce(sub, paths)  # their members' tails, and later changes
         async with sub.lock:
             if sub.deleted:
-                raise _not_found(sub.id)
+                raise not_found(sub.id)
             self.links.absorb(sub)
             async with self.store.change(sub):
                 for path in paths:
@@ -320,188 +303,8 @@ class ControlApi:
     async def _remove_stream(self, sub: Subscription, path: str) -> Response:
         async with sub.lock:
             if sub.deleted:
-                raise _not_found(sub.id)
+                raise not_found(sub.id)
             self.links.absorb(sub)
             async with self.store.change(sub):
                 self.links.remove_explicit(sub, path)
         return Response(204)
-
-    # ---- wakes -------------------------------------------------------------------------------
-
-    def _authorized(self, request: Request, sub: Subscription, kind: str) -> dict:
-        return self._authorized_id(request, sub.id, kind)
-
-    def _authorized_id(self, request: Request, sub_id: str, kind: str) -> dict:
-        header = request.headers.get("authorization") or ""
-        scheme, _, token = header.partition(" ")
-        claims = self.keys.check_token(token.strip(), sub_id, kind) if scheme.lower() == "bearer" else None
-        if claims is None:
-            raise ProtocolError(
-                401, "UNAUTHORIZED", f"a valid {kind} token is required (Authorization: Bearer ...)"
-            )
-        return claims
-
-    @staticmethod
-    def _wake_body(request: Request) -> dict:
-        try:
-            body = json.loads(request.body or b"null")
-        except (ValueError, RecursionError):
-            raise bad_request("INVALID_JSON", "the body must be a JSON object") from None
-        if not isinstance(body, dict):
-            raise bad_request("INVALID_JSON", "the body must be a JSON object")
-        return body
-
-    @staticmethod
-    def _check_current(sub: Subscription, claims: dict, body: dict) -> Wake:
-        wake = sub.wake
-        if (
-            wake is None
-            or claims.get("g") != wake.generation
-            or claims.get("w") != wake.wake_id
-            or body.get("generation") != wake.generation
-            or body.get("wake_id") != wake.wake_id
-        ):
-            raise _fenced()
-        return wake
-
-    @staticmethod
-    def _parse_acks(body: dict) -> list[tuple[str, offsets.Offset]]:
-        acks = body.get("acks", [])
-        if not isinstance(acks, list):
-            raise bad_request("INVALID_ACKS", "acks must be a list of {stream, offset}")
-        out = []
-        for ack in acks:
-            if (
-                not isinstance(ack, dict)
-                or not isinstance(ack.get("stream"), str)
-                or not isinstance(ack.get("offset"), str)
-            ):
-                raise bad_request("INVALID_ACKS", 'each ack is {"stream": path, "offset": offset}')
-            out.append((ack["stream"], offsets.decode(ack["offset"])))
-        return out
-
-    async def _finish(self, request: Request, sub: Subscription, kind: str) -> Response:
-        """Callback (webhook) and ack (pull-wake): apply acks; `done` ends the wake, else the
-        call is a heartbeat that extends the lease."""
-        body = self._wake_body(request)
-        if self.remote is not None:
-            # An ack may be past the tail its member last told us of: ask before judging it, and
-            # before taking the lock (a member that does not answer stalls this call, not the
-            # subscription). The checks come first, so a fenced call is answered 409 as ever.
-            _, acks = self._judge(request, sub, kind, body)
-            if acks:
-                await self.remote.refresh(sub, [(path, offset.position) for path, offset in acks])
-        async with sub.lock:
-            wake, acks = self._judge(request, sub, kind, body)
-            self.links.absorb(sub)
-            next_wake = False
-            async with self.store.change(sub):
-                self.links.apply_acks(sub, acks, wake)
-                if body.get("done") is True:
-                    sub.wake = None
-                    next_wake = bool(self.links.pending(sub))
-                else:
-                    wake.lease_until = self.now() + sub.config.lease_ttl_ms / 1000
-        sub.poke()
-        return _json(200, {"ok": True, "next_wake": next_wake})
-
-    def _judge(
-        self, request: Request, sub: Subscription, kind: str, body: dict
-    ) -> tuple[Wake, list[tuple[str, offsets.Offset]]]:
-        """The current wake a callback or ack names, and its acks; raises if it is fenced."""
-        if sub.deleted:
-            raise _fenced()
-        claims = self._authorized(request, sub, kind)
-        wake = self._check_current(sub, claims, body)
-        return wake, self._parse_acks(body)
-
-    async def _callback(self, request: Request, sub: Subscription) -> Response:
-        return await self._finish(request, sub, "callback")
-
-    async def _ack(self, request: Request, sub: Subscription) -> Response:
-        return await self._finish(request, sub, "claim")
-
-    async def _release(self, request: Request, sub: Subscription) -> Response:
-        body = self._wake_body(request)
-        async with sub.lock:
-            if sub.deleted:
-                raise _fenced()
-            claims = self._authorized(request, sub, "claim")
-            self._check_current(sub, claims, body)
-            async with self.store.change(sub, links=False):
-                sub.wake = None
-        sub.poke()  # pending work gets a new wake event
-        return Response(204)
-
-    async def _claim(self, request: Request, sub: Subscription) -> Response:
-        if sub.config.type != "pull-wake":
-            raise bad_request("NOT_PULL_WAKE", "only pull-wake subscriptions are claimed")
-        body = self._wake_body(request)
-        worker = body.get("worker")
-        if not isinstance(worker, str) or not worker:
-            raise bad_request("INVALID_WORKER", 'claim needs {"worker": name}')
-        async with sub.lock:
-            if sub.deleted:
-                raise _not_found(sub.id)
-            self.links.absorb(sub)
-            if self.remote is None or not self._idle(sub):
-                return await self._grant(sub, worker)
-        # Another member's stream may have taken an append it has not reported yet: a client that
-        # appended and then claims must find that work (read your writes). Asked without the lock:
-        # a member that does not answer (5 s at most, at once refused when known to be failing)
-        # stalls this claim only, not the subscription's acks, callbacks or driver. What changed
-        # meanwhile is judged afresh below, as for a claim that came now.
-        await self.remote.catch_up(sub)
-        async with sub.lock:
-            if sub.deleted:
-                raise _not_found(sub.id)
-            self.links.absorb(sub)
-            return await self._grant(sub, worker)
-
-    def _leased(self, wake: Wake | None, now: float) -> bool:
-        return (
-            wake is not None
-            and wake.holder is not None
-            and wake.lease_until is not None
-            and now < wake.lease_until
-        )
-
-    def _idle(self, sub: Subscription) -> bool:
-        """Whether a claim now would issue a new wake and find no work (holding `sub.lock`)."""
-        wake = sub.wake
-        if self._leased(wake, self.now()):
-            return False
-        issuing = wake is None or wake.holder is not None
-        return issuing and not self.links.pending(sub)
-
-    async def _grant(self, sub: Subscription, worker: str) -> Response:
-        """A claim's answer (holding `sub.lock`, its links absorbed)."""
-        now = self.now()
-        wake = sub.wake
-        if self._leased(wake, now):
-            assert wake is not None
-            return _error(
-                ProtocolError(409, "ALREADY_CLAIMED", "another worker holds the lease"),
-                current_holder=wake.holder,
-                generation=wake.generation,
-            )
-        async with self.store.change(sub, links=False):
-            if wake is None or wake.holder is not None:  # none issued yet, or an expired claim
-                if not self.links.pending(sub):
-                    raise ProtocolError(
-                        409, "NO_PENDING_WORK", "nothing to claim: every linked stream is acked"
-                    )
-                wake = sub.issue(self.links.snapshot(sub), now)
-            wake.holder = worker
-            wake.lease_until = now + sub.config.lease_ttl_ms / 1000
-        token = self.keys.token(sub.id, wake.generation, wake.wake_id, "claim", token_ttl(sub))
-        return _json(
-            200,
-            {
-                "wake_id": wake.wake_id,
-                "generation": wake.generation,
-                "token": token,
-                "streams": self.links.view(sub, wake),
-                "lease_ttl_ms": sub.config.lease_ttl_ms,
-            },
-        )

@@ -11,14 +11,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from streamkeep.protocol.errors import ProtocolError, bad_request
-from streamkeep.protocol.names import REGISTRY_STREAM, RESERVED_SEGMENT, STREAM_PREFIX, check_stream_name
-from streamkeep.subscriptions.globs import Glob, compile_glob, glob_match
+from streamkeep.protocol.globs import Glob, compile_glob
+from streamkeep.protocol.names import REGISTRY_STREAM, check_stream_name
 
-CONTROL_PREFIX = f"{STREAM_PREFIX}{RESERVED_SEGMENT}/"  # where the control API lives (§6)
-# The wake endpoints (POST .../subscriptions/<id>/<action>) and the token kind each takes: they
-# are called with the subscription's own wake tokens, never the server's JWTs (auth/gate.py lets
-# them through; api.py checks their tokens).
-WAKE_ACTIONS = {"callback": "callback", "ack": "claim", "release": "claim"}
 DEFAULT_LEASE_MS = 30_000
 MIN_LEASE_MS = 1_000
 MAX_LEASE_MS = 600_000
@@ -28,6 +23,10 @@ _ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 def check_id(subscription_id: str) -> None:
     if not _ID.fullmatch(subscription_id):
         raise bad_request("INVALID_SUBSCRIPTION_ID", "subscription ids are 1-128 of A-Z a-z 0-9 . _ ~ -")
+
+
+def not_found(subscription_id: str) -> ProtocolError:
+    return ProtocolError(404, "SUBSCRIPTION_NOT_FOUND", f"no subscription {subscription_id!r}")
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,9 @@ def refuse_wake_stream(wake_stream: str | None, streams: Iterable[str]) -> None:
         # Wake events in it would make it no longer a State Protocol stream of streams: its
         # readers' fold breaks, and the server would refuse it at the next start (found by review).
         raise ProtocolError(
-            403, "reserved_stream", f"{REGISTRY_STREAM} is the server's list of streams: it cannot be a wake stream"
+            403,
+            "reserved_stream",
+            f"{REGISTRY_STREAM} is the server's list of streams: it cannot be a wake stream",
         )
     if wake_stream is not None and wake_stream in streams:
         raise bad_request(
@@ -151,10 +152,9 @@ def _check_path(path: str) -> None:
 
 
 __all__ = [
-    "CONTROL_PREFIX",
     "SubscriptionConfig",
     "check_id",
-    "glob_match",
     "normalize_streams",
+    "not_found",
     "refuse_wake_stream",
 ]

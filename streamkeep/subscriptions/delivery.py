@@ -19,12 +19,14 @@ from contextlib import asynccontextmanager
 import httpx
 import trio
 
+from streamkeep.actors.messages import Append
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers
+from streamkeep.protocol.names import CONTROL_PREFIX
 from streamkeep.protocol.stream import AppendSpec
-from streamkeep.subscriptions.config import CONTROL_PREFIX, refuse_wake_stream
-from streamkeep.subscriptions.faults import Faults, backoff
+from streamkeep.subscriptions.config import refuse_wake_stream
+from streamkeep.subscriptions.faults import RETRY, Faults
 from streamkeep.subscriptions.links import Links
 from streamkeep.subscriptions.remote import Remote
 from streamkeep.subscriptions.signing import Keys
@@ -95,7 +97,7 @@ class Delivery:
             except Exception as error:
                 self.faults.failed(sub, "driver", error)
                 sub.fault_count += 1
-                sub.fault_until = trio.current_time() + backoff(sub.fault_count)
+                sub.fault_until = trio.current_time() + RETRY.delay(sub.fault_count)
                 continue
             self.faults.succeeded(sub, "driver")
             sub.fault_count, sub.fault_until = 0, None
@@ -224,7 +226,7 @@ class Delivery:
     def _settle(self, sub: Subscription, wake: Wake, *, ok: bool, done: bool) -> None:
         if not ok:
             sub.attempts += 1
-            sub.next_attempt_at = self.now() + backoff(sub.attempts)
+            sub.next_attempt_at = self.now() + RETRY.delay(sub.attempts)
             sub.status = "failed"
             sub.wake = None
             return
@@ -270,5 +272,5 @@ class Delivery:
 async def append_wake_event(supervisor: Supervisor, wake_stream: str, body: bytes) -> None:
     """Appends one wake event to a wake stream of this member, durably."""
     spec = AppendSpec.from_request(Headers([("Content-Type", "application/json")]), body)
-    pending = await supervisor.call(wake_stream, "append", spec)
+    pending = await supervisor.call(wake_stream, Append(spec))
     await pending.wait()

@@ -9,24 +9,19 @@ when it first appears, and once more when it is gone, not at every retry of ever
 from __future__ import annotations
 
 import logging
-import random
 from datetime import UTC, datetime
 
+from streamkeep.background import Backoff
+from streamkeep.health import Causes
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.storage.errors import as_protocol_error, from_os_error
 from streamkeep.subscriptions.state import Subscription
 
 log = logging.getLogger("streamkeep.subscriptions")
 
-RETRY_MIN_S = 1.0
-RETRY_MAX_S = 60.0
-RETRY_JITTER = 0.2
-
-
-def backoff(attempt: int) -> float:
-    """Seconds before retry `attempt` (1, 2, ...): 1 s doubling up to 60 s, with 20% jitter."""
-    delay = min(RETRY_MAX_S, RETRY_MIN_S * 2 ** min(attempt - 1, 16))
-    return delay * (1 + random.uniform(-RETRY_JITTER, RETRY_JITTER))
+# Retries of a subscription's background work and of its receiver: 1 s doubling to 60 s. The
+# counts live on the subscription (`fault_count`, `attempts`), so only the bounds are kept here.
+RETRY = Backoff()
 
 
 Cause = tuple[str, ...]
@@ -58,21 +53,21 @@ def cause_of(where: str, error: BaseException) -> Cause:
 class Faults:
     def __init__(self) -> None:
         self.save_failures = 0
-        self.saves_failing = False
-        self._save_cause: int | None = None
+        self._saves: Causes[str, int | None] = Causes()  # "save" -> the errno saving fails with
         self.task_failures = 0
-        self._failing: dict[Cause, set[str]] = {}  # cause -> the subscriptions failing with it
-        self._cause: dict[tuple[str, str], Cause] = {}  # (subscription, where) -> its cause
+        self._tasks: Causes[tuple[str, str], Cause] = Causes()  # (subscription, where) -> cause
         self.last_error: dict | None = None
+
+    @property
+    def saves_failing(self) -> bool:
+        return "save" in self._saves.current
 
     # ---- saving state ----------------------------------------------------------------------
 
     def save_failed(self, error: OSError) -> SaveFailed:
         """Counts a failed save, logs its cause once; returns what to raise."""
         self.save_failures += 1
-        self.saves_failing = True
-        if error.errno != self._save_cause:
-            self._save_cause = error.errno
+        if self._saves.failed("save", error.errno):
             log.error(
                 "subscriptions: cannot save state: %s. Changes are refused (507/503) and background "
                 "work retries with backoff; further failures with this cause are counted in /stats",
@@ -83,9 +78,7 @@ class Faults:
         return answer
 
     def save_ok(self) -> None:
-        if self.saves_failing:
-            self.saves_failing = False
-            self._save_cause = None
+        if self._saves.cleared("save") is not None:
             log.warning("subscriptions: saving works again (%d saves failed)", self.save_failures)
 
     # ---- background tasks ------------------------------------------------------------------
@@ -97,14 +90,13 @@ class Faults:
         if isinstance(error, SaveFailed) or sub.deleted:
             return  # told once by save_failed; a deleted subscription retries nothing
         cause = cause_of(where, error)
-        previous = self._cause.get((sub.id, where))
+        key = (sub.id, where)
+        previous = self._tasks.current.get(key)
         if previous == cause:
             return
         if previous is not None:
-            self._drop(sub.id, previous)
-        self._cause[(sub.id, where)] = cause
-        failing = self._failing.setdefault(cause, set())
-        if not failing:
+            self._over(self._tasks.cleared(key))
+        if self._tasks.failed(key, cause):
             if isinstance(error, ProtocolError | OSError):
                 log.warning("subscription %s: %s failed: %s; retrying with backoff", sub.id, where, error)
             else:  # a bug: the traceback is what helps
@@ -115,26 +107,19 @@ class Faults:
                     where,
                     exc_info=error,
                 )
-        failing.add(sub.id)
 
     def succeeded(self, sub: Subscription, where: str) -> None:
-        cause = self._cause.pop((sub.id, where), None)
-        if cause is not None:
-            self._drop(sub.id, cause)
+        self._over(self._tasks.cleared((sub.id, where)))
 
     def forget(self, sub: Subscription) -> None:
-        for key in [key for key in self._cause if key[0] == sub.id]:
-            self._drop(sub.id, self._cause.pop(key), quiet=True)
+        for key in [key for key in self._tasks.current if key[0] == sub.id]:
+            self._tasks.cleared(key)  # quietly: it is gone, not working again
 
-    def _drop(self, sub_id: str, cause: Cause, *, quiet: bool = False) -> None:
-        failing = self._failing.get(cause)
-        if failing is None:
-            return
-        failing.discard(sub_id)
-        if not failing:
-            del self._failing[cause]
-            if not quiet:
-                log.info("subscriptions: %s works again (it failed with %s)", cause[0], " ".join(cause[1:]))
+    @staticmethod
+    def _over(told: tuple[Cause] | None) -> None:
+        if told is not None:
+            (cause,) = told
+            log.info("subscriptions: %s works again (it failed with %s)", cause[0], " ".join(cause[1:]))
 
     def _note(self, message: str) -> None:
         at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

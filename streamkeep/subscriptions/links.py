@@ -13,7 +13,7 @@ absorbed under its lock before the next change, so links follow the streams:
 All of this is derived from the streams themselves, so it is redone after a restart (`reconcile`)
 rather than saved at every publish.
 
-In a cluster the streams are read through a `StreamView` (remote.py): other members' streams as
+In a cluster the streams are read through `KnownStreams` (remote.py): other members' streams as
 their members last told us, and a stream not heard of yet changes no link.
 """
 
@@ -24,12 +24,12 @@ from typing import Any
 from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError, bad_request
 from streamkeep.storage.base import Storage
-from streamkeep.subscriptions.remote import StreamView
+from streamkeep.subscriptions.remote import KnownStreams
 from streamkeep.subscriptions.state import UNKNOWN_STREAM_ID, Link, Subscription, Tail, Wake
 
 
 class Links:
-    def __init__(self, storage: Storage, view: StreamView | None = None) -> None:
+    def __init__(self, storage: Storage, view: KnownStreams | None = None) -> None:
         self.storage = storage
         # Alone, the storage's own methods, bound once: no extra step on the way to a stream.
         self._open = storage.open if view is None else view.open

@@ -23,18 +23,18 @@ from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
 from streamkeep.subscriptions.api import ControlApi
-from streamkeep.subscriptions.config import CONTROL_PREFIX
 from streamkeep.subscriptions.delivery import Delivery
 from streamkeep.subscriptions.faults import Faults
 from streamkeep.subscriptions.links import Links
-from streamkeep.subscriptions.remote import Remote, StreamView
+from streamkeep.subscriptions.remote import KnownStreams, Remote
 from streamkeep.subscriptions.signing import Keys
 from streamkeep.subscriptions.state import Subscription
 from streamkeep.subscriptions.store import Store
+from streamkeep.subscriptions.wakes import Wakes
 
 log = logging.getLogger("streamkeep.subscriptions")
 
-__all__ = ["CONTROL_PREFIX", "SubscriptionManager"]
+__all__ = ["SubscriptionManager"]
 
 
 class SubscriptionManager:
@@ -46,7 +46,7 @@ class SubscriptionManager:
         state_dir: Path | None,
         allow_loopback_webhooks: bool,
         now: Callable[[], float] = time.time,
-        view: StreamView | None = None,
+        view: KnownStreams | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.subs: dict[str, Subscription] = {}
@@ -63,6 +63,7 @@ class SubscriptionManager:
             allow_loopback=allow_loopback_webhooks,
             now=now,
         )
+        self.wakes = Wakes(self.links, self.store, keys, now=now)
         self.api = ControlApi(
             self.subs,
             self.links,
@@ -70,14 +71,14 @@ class SubscriptionManager:
             keys,
             self.delivery,
             self.faults,
+            self.wakes,
             allow_loopback=allow_loopback_webhooks,
-            now=now,
         )
         self._listener_failed = False
 
     def attach(self, remote: Remote) -> None:
         """Makes this member's subscriptions follow the streams of the whole cluster."""
-        self.remote = self.api.remote = self.delivery.remote = remote
+        self.remote = self.api.remote = self.wakes.remote = self.delivery.remote = remote
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Listening first: a stream that changes while the state loads is noticed, and what
@@ -128,7 +129,7 @@ class SubscriptionManager:
             if link is None or sub.deleted:
                 continue
             try:
-                self.api._check_owner(principal, sub.id)  # the one rule, as the control API applies it
+                self.api.check_owner(principal, sub.id)  # the one rule, as the control API applies it
             except ProtocolError:
                 continue
             pending = None

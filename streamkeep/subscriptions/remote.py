@@ -1,16 +1,17 @@
 """What subscriptions need from a cluster, seen from this package (None when not clustered).
 
 A subscription lives on one member and follows streams on every member. Its links read a stream's
-state through a `StreamView`: this member's storage for its own streams, and what their members last
-said for the others', where a stream no member has spoken of yet is *unknown* (not gone: a link to
-it is left as it is until it is heard of). `Remote` is the rest: control requests that reached the
+state through `KnownStreams` (the streams as this member knows them; not the actors' `StreamView`
+of one stream): this member's storage for its own streams, and what their members last said for
+the others', where a stream no member has spoken of yet is *unknown* (not gone: a link to it is
+left as it is until it is heard of). `Remote` is the rest: control requests that reached the
 wrong member, telling the other members what a subscription follows, fresh tails before an ack is
 judged, and wake events for wake streams another member owns. `streamkeep/cluster/subscriptions.py`
 implements both; this package never imports the cluster code.
 
 Its calls may wait for another member (up to 5 s; at once refused for one known to be failing), so
 the subscriptions never make them holding a subscription's lock: a hung member must not stall the
-subscription's other calls (api.py, delivery.py).
+subscription's other calls (api.py, wakes.py, delivery.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from streamkeep.protocol.model import Request, Response
 from streamkeep.subscriptions.state import Subscription
 
 
-class StreamView(Protocol):
+class KnownStreams(Protocol):
     def open(self, path: str) -> Any:
         """A stream's state (`meta.stream_id`, `meta.fork_base`, `meta.soft_deleted`,
         `published_tail`, `floor`), or None if it does not exist or is not known yet."""
@@ -37,7 +38,8 @@ class StreamView(Protocol):
 
 
 class Remote(Protocol):
-    view: StreamView
+    @property
+    def view(self) -> KnownStreams: ...
 
     async def run(self, *, task_status: Any = ...) -> None:
         """The background work: learning the other members' subscriptions and telling them

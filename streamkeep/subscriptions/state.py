@@ -186,6 +186,7 @@ class Subscription:
 
 def _link(value: list) -> Link:
     if len(value) == 3:  # [acked, explicit, glob]: written before links knew their incarnation
-        return Link(*value, stream_id=UNKNOWN_STREAM_ID)
+        acked, explicit, glob = value
+        return Link(acked, explicit, glob, UNKNOWN_STREAM_ID)
     acked, explicit, glob, stream_id, *rest = value
     return Link(acked, explicit, glob, stream_id, rest[0] if rest else 0)

@@ -72,7 +72,8 @@ class AccessLog:
         if self.json_lines:
             line = json.dumps(
                 {
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+                    + f".{int(now % 1 * 1000):03d}Z",
                     "client": client,
                     "subject": subject,
                     "method": method,

@@ -99,33 +99,38 @@ class StreamkeepCollector:
         yield CounterMetricFamily(
             PREFIX + "appended_bytes", "Bytes of acknowledged appends", value=service.appended_bytes
         )
-        if service.forwarder is not None:
+        cluster = service.cluster
+        if cluster is not None and cluster.forwarder is not None:
             yield CounterMetricFamily(
                 PREFIX + "cluster_forwarded_requests",
                 "Requests handed to the cluster member that owns their stream",
-                value=service.forwarder.forwarded,
+                value=cluster.forwarder.forwarded,
             )
         yield from self._cluster()
 
     def _cluster(self) -> Iterator[Metric]:
         """Calls between cluster members and the pins of forks across them (none when alone)."""
-        service = self.sources.service
-        if service.peers is None:
+        cluster = self.sources.service.cluster
+        if cluster is None or cluster.peers is None:
             return
         calls = CounterMetricFamily(
-            PREFIX + "cluster_calls", "Calls between cluster members, by direction and outcome", labels=["direction", "outcome"]
+            PREFIX + "cluster_calls",
+            "Calls between cluster members, by direction and outcome",
+            labels=["direction", "outcome"],
         )
-        calls.add_metric(["out", "answered"], service.peers.calls - service.peers.failures)
-        calls.add_metric(["out", "failed"], service.peers.failures)
-        calls.add_metric(["in", "answered"], service.peer_ops.calls)
-        calls.add_metric(["in", "refused"], service.peer_ops.refused)
+        calls.add_metric(["out", "answered"], cluster.peers.calls - cluster.peers.failures)
+        calls.add_metric(["out", "failed"], cluster.peers.failures)
+        calls.add_metric(["in", "answered"], cluster.peer_ops.calls)
+        calls.add_metric(["in", "refused"], cluster.peer_ops.refused)
         yield calls
         remote = getattr(self.sources.storage, "remote", None)
         if remote is None:
             return
         stats = remote.stats()
         yield GaugeMetricFamily(
-            PREFIX + "cluster_fork_pins", "Pins this member's streams hold for forks other members own", value=stats["pins"]
+            PREFIX + "cluster_fork_pins",
+            "Pins this member's streams hold for forks other members own",
+            value=stats["pins"],
         )
         yield CounterMetricFamily(
             PREFIX + "cluster_fork_pins_dropped",
@@ -145,13 +150,15 @@ class StreamkeepCollector:
         storage = self.sources.storage
         yield GaugeMetricFamily(PREFIX + "streams", "Streams that exist", value=len(storage.names()))
         yield GaugeMetricFamily(
-            PREFIX + "actors_awake", "Stream actors in memory (the rest hibernate)", value=service.supervisor.active
+            PREFIX + "actors_awake",
+            "Stream actors in memory (the rest hibernate)",
+            value=service.supervisor.active,
         )
         readers = GaugeMetricFamily(PREFIX + "live_readers", "Live readers now, by mode", labels=["mode"])
         for mode in ("long-poll", "sse"):
-            readers.add_metric([mode], service.live_readers.get(mode, 0))
+            readers.add_metric([mode], service.live.readers_by_mode.get(mode, 0))
         yield readers
-        pushed = service.live_reads["pushed"] + sum(live.pushes for live in service._live.values())
+        pushed = service.live.pushed()
         yield CounterMetricFamily(
             PREFIX + "live_push_deliveries",
             "Changes written straight to a waiting SSE subscriber's socket by live fan-out",
@@ -163,10 +170,12 @@ class StreamkeepCollector:
             labels=["kind"],
         )
         for kind in ("shared", "alone", "cached"):
-            reads.add_metric([kind], service.live_reads.get(kind, 0))
+            reads.add_metric([kind], service.live.reads_by_kind.get(kind, 0))
         yield reads
         yield GaugeMetricFamily(
-            PREFIX + "ready", "1 once recovery finished and streams are served", value=service.not_ready is None
+            PREFIX + "ready",
+            "1 once recovery finished and streams are served",
+            value=service.not_ready is None,
         )
 
     # ---- storage -------------------------------------------------------------------------
@@ -175,7 +184,8 @@ class StreamkeepCollector:
         storage = self.sources.storage
         tiers = getattr(storage, "tier_bytes", None)
         stored = GaugeMetricFamily(
-            PREFIX + "stored_bytes", "Bytes of segment files, by tier (hot: local disk, cold: bucket only)",
+            PREFIX + "stored_bytes",
+            "Bytes of segment files, by tier (hot: local disk, cold: bucket only)",
             labels=["tier"],
         )
         if callable(tiers):
@@ -197,7 +207,9 @@ class StreamkeepCollector:
             _add(records, [], committer.round_records)
             yield records
             yield CounterMetricFamily(
-                PREFIX + "commit_rounds_failed", "Commit rounds that failed as a whole", value=committer.failed_rounds
+                PREFIX + "commit_rounds_failed",
+                "Commit rounds that failed as a whole",
+                value=committer.failed_rounds,
             )
         free = getattr(storage, "fs", None)
         if free is not None:
@@ -207,7 +219,9 @@ class StreamkeepCollector:
                 free_bytes = None
             if free_bytes is not None:
                 yield GaugeMetricFamily(
-                    PREFIX + "disk_free_bytes", "Free bytes on the data directory's file system", value=free_bytes
+                    PREFIX + "disk_free_bytes",
+                    "Free bytes on the data directory's file system",
+                    value=free_bytes,
                 )
             yield GaugeMetricFamily(
                 PREFIX + "disk_min_free_bytes", "The --min-free-bytes reserve", value=storage.min_free_bytes
@@ -218,9 +232,13 @@ class StreamkeepCollector:
         if archiver is None:
             return
         yield GaugeMetricFamily(
-            PREFIX + "cold_backlog_bytes", "Sealed bytes waiting for upload to the cold tier", value=archiver.backlog_bytes
+            PREFIX + "cold_backlog_bytes",
+            "Sealed bytes waiting for upload to the cold tier",
+            value=archiver.backlog_bytes,
         )
-        yield CounterMetricFamily(PREFIX + "cold_uploads", "Segments uploaded to the cold tier", value=archiver.uploaded)
+        yield CounterMetricFamily(
+            PREFIX + "cold_uploads", "Segments uploaded to the cold tier", value=archiver.uploaded
+        )
         failures = CounterMetricFamily(
             PREFIX + "cold_failures",
             "Failed cold-tier steps (each is retried with backoff), by step",
@@ -240,13 +258,19 @@ class StreamkeepCollector:
         if retention is None:
             return
         yield CounterMetricFamily(
-            PREFIX + "retention_floor_moves", "Times retention moved a stream's floor", value=retention.floors_raised
+            PREFIX + "retention_floor_moves",
+            "Times retention moved a stream's floor",
+            value=retention.floors_raised,
         )
         yield CounterMetricFamily(
-            PREFIX + "retention_dropped_segments", "Segments retention deleted", value=retention.segments_dropped
+            PREFIX + "retention_dropped_segments",
+            "Segments retention deleted",
+            value=retention.segments_dropped,
         )
         yield CounterMetricFamily(
-            PREFIX + "retention_dropped_bytes", "Stream bytes retention deleted", value=retention.bytes_dropped
+            PREFIX + "retention_dropped_bytes",
+            "Stream bytes retention deleted",
+            value=retention.bytes_dropped,
         )
 
     def _subscriptions(self) -> Iterator[Metric]:
@@ -285,10 +309,14 @@ class StreamkeepCollector:
         yield refusals
         cache = gate.verifier.cache_info()
         yield CounterMetricFamily(
-            PREFIX + "auth_token_cache_hits", "Token checks answered from the verified-token cache", value=cache["hits"]
+            PREFIX + "auth_token_cache_hits",
+            "Token checks answered from the verified-token cache",
+            value=cache["hits"],
         )
         yield CounterMetricFamily(
-            PREFIX + "auth_token_cache_misses", "Token checks that verified a signature", value=cache["misses"]
+            PREFIX + "auth_token_cache_misses",
+            "Token checks that verified a signature",
+            value=cache["misses"],
         )
 
     def _background(self) -> Iterator[Metric]:
@@ -298,7 +326,9 @@ class StreamkeepCollector:
             "Failures of background work and storage, by kind (each logged once until it recovers)",
             labels=["kind"],
         )
-        failing = GaugeMetricFamily(PREFIX + "background_failing", "1 while a kind of work is failing", labels=["kind"])
+        failing = GaugeMetricFamily(
+            PREFIX + "background_failing", "1 while a kind of work is failing", labels=["kind"]
+        )
         healths = [service.health]
         remote = getattr(self.sources.storage, "remote", None)  # the cluster's fork pin reconcile
         for part in (self.sources.storage, self.sources.archiver, self.sources.retention, remote):
@@ -321,7 +351,7 @@ class Exposition:
 
     def __init__(self, sources: Sources) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StreamkeepCollector(sources))  # type: ignore[arg-type]
+        self.registry.register(StreamkeepCollector(sources))
         ProcessCollector(namespace="streamkeep", registry=self.registry)
 
     def render(self) -> bytes:

@@ -155,7 +155,9 @@ class _Read(Operation):
         inc: Incarnation | None = None
         # From -1 a read starts at the floor, which retention moves: then its first chunk says where.
         from_start = offset == "-1"
-        position: int | None = requested[1] if requested else (0 if from_start and not model.config.retention else None)
+        position: int | None = (
+            requested[1] if requested else (0 if from_start and not model.config.retention else None)
+        )
         since = started.time
         for chunk in chunks:
             token = parse_token(chunk.next_offset)

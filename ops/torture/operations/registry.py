@@ -55,7 +55,11 @@ class RegistryRead(Operation):
         except (UnicodeDecodeError, ValueError):
             messages = None
         if not isinstance(messages, list):
-            model.finding("registry", f"{REGISTRY_STREAM}: a read is not a JSON array: {outcome.body[:80]!r}", [started.id])
+            model.finding(
+                "registry",
+                f"{REGISTRY_STREAM}: a read is not a JSON array: {outcome.body[:80]!r}",
+                [started.id],
+            )
             return
         state.messages.extend(messages)
         state.complete = outcome.headers.get("stream-up-to-date", "").lower() == "true"

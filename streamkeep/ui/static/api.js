@@ -75,7 +75,7 @@ export function describe(error) {
   return `the server did not answer (${error?.message || error})`;
 }
 
-// Globs as subscriptions and scopes use them (subscriptions/globs.py, the same steps): `*` is one
+// Globs as subscriptions and scopes use them (protocol/globs.py, the same steps): `*` is one
 // path segment, `**` any number of them, and `*` inside a segment matches within it. A pattern
 // with neither `*` nor `/` matches as a substring, for quick typing.
 export function globMatcher(pattern) {

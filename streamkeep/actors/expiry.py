@@ -1,0 +1,34 @@
+"""The TTL sweep: streams whose TTL or expiry passed are deleted even if nobody asks for them again.
+
+A stream's actor deletes an expired stream when it is next asked anything; the sweep asks each
+expired one for its head now and then, so their bytes do not wait for a client that never comes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from streamkeep.actors.messages import HEAD
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.protocol.errors import ProtocolError
+
+SWEEP_INTERVAL = 10.0
+
+
+async def sweep_expired(supervisor: Supervisor, interval: float = SWEEP_INTERVAL) -> None:
+    while True:
+        await trio.sleep(interval)
+        now = time.time()
+        for name in supervisor.storage.names():
+            stream_log = supervisor.storage.open(name)
+            if stream_log is not None and stream_log.meta.expired(now):
+                try:
+                    await supervisor.call(name, HEAD)
+                except ProtocolError:
+                    pass
+                await trio.lowlevel.checkpoint()  # a call may not yield (Supervisor.call)
+
+
+__all__ = ["SWEEP_INTERVAL", "sweep_expired"]

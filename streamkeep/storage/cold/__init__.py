@@ -1,0 +1,11 @@
+"""The cold tier: sealed segments of the disk backend moved to an S3-compatible bucket.
+
+    store.py        the bucket: ObjectStore (what the tier needs), S3Store (boto3), ColdConfig
+    archiver.py     Archiver, the disk backend's ColdTier: uploads, cold reads, object deletes,
+                    sealing idle segments
+    bookkeeping.py  an upload's steps on a DiskLog, under its I/O lock: open, record, drop the copy
+    migrate.py      upgrades a data directory and its bucket to the current format (format 1 -> 2
+                    gave bucket keys the stream's incarnation)
+
+It builds on storage/disk/ and the disk backend knows only `disk/tiering.ColdTier`.
+"""

@@ -1,0 +1,54 @@
+"""The cold tier's bookkeeping on a stream's disk log, each step under its I/O lock: a sealed
+segment opened for upload, the verified upload recorded in the manifest (index sidecar first),
+the local copy dropped. The archiver (archiver.py) calls these; the disk log itself knows only
+the manifest entries they leave (`DiskLog.cold_entries`), which its deletes and retention use."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from streamkeep.storage import files
+from streamkeep.storage.disk import manifest
+from streamkeep.storage.disk.index import Segment
+from streamkeep.storage.disk.log import DiskLog
+from streamkeep.storage.files import FileSystem
+
+
+async def open_sealed(stream_log: DiskLog, segment: Segment) -> int | None:
+    """A descriptor of a sealed segment for the archiver to upload from, or None if the stream
+    is gone. It stays valid whatever happens to the stream meanwhile."""
+    async with stream_log.exclusive():
+        if stream_log.deleted or not segment.local or segment.retained_away:
+            return None
+        return await stream_log.host.run_io(stream_log.host.fs.open, segment.path, os.O_RDONLY)
+
+
+async def record_upload(stream_log: DiskLog, segment: Segment, entry: dict) -> bool:
+    """Notes an uploaded, verified segment in the manifest (after writing its index sidecar).
+    False if the stream was deleted or the segment retained away meanwhile (the object is then
+    an orphan to delete)."""
+    async with stream_log.exclusive():
+        if stream_log.deleted or segment.retained_away:
+            return False
+        entries = [*stream_log.cold_entries, entry]
+        fs = stream_log.host.fs
+        await stream_log.host.run_io(_record_upload, fs, segment.path, stream_log.directory, entries)
+        stream_log.cold_entries = entries
+        segment.cold_key = entry["key"]
+        return True
+
+
+async def drop_local(stream_log: DiskLog, segment: Segment) -> None:
+    """Removes the local copy of an uploaded segment: its reads go to the bucket from now on."""
+    async with stream_log.exclusive():
+        if stream_log.deleted or not segment.local or segment.cold_key is None or segment.retained_away:
+            return
+        segment.local = False
+        await stream_log.host.run_io(files.unlink_quietly, stream_log.host.fs, segment.path)
+
+
+def _record_upload(fs: FileSystem, segment_path: Path, directory: Path, entries: list[dict]) -> None:
+    """Index sidecar first, then the manifest: a manifest entry always has its sidecar."""
+    manifest.write_index(fs, segment_path)
+    manifest.save_manifest(fs, directory, entries)

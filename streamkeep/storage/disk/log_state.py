@@ -1,0 +1,200 @@
+"""One stream on disk, as every part of its log sees it: what its actor has accepted, what is
+durable and shown to readers, where every published record lives, and the I/O lock.
+
+`DiskLog` (log.py) is this state plus the commit protocol and sealing; its reads (log_reads.py)
+and retention steps (log_retention.py) are the other bases it is built from, and the cold tier's
+bookkeeping (storage/cold/bookkeeping.py) works on it from outside. Every operation that touches
+the stream's files (a commit round, sealing an idle segment, a background sync, recording an
+upload, dropping a local copy, a retention drop; and the storage's delete) holds the I/O lock, so
+none of them can close, replace or delete a file another is using. Reads do not: they find their
+records in the index or the tail cache, or read the segment files, and never serve bytes of a
+stream deleted while they ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import trio
+
+from streamkeep.health import Health
+from streamkeep.protocol.stream import ProducerMark, ProducerState, StreamMeta
+from streamkeep.segments import format as fmt
+from streamkeep.segments.floor import FloorCheckpoint
+from streamkeep.storage.base import ByteBudget, Commit, resolved
+from streamkeep.storage.disk.committer import Committable, Committer
+from streamkeep.storage.disk.index import Entry, RecordIndex, Segment, TailCache
+from streamkeep.storage.disk.tiering import ColdTier
+from streamkeep.storage.disk.writer import Pending, SegmentLimits, SegmentWriter
+from streamkeep.storage.files import FileSystem
+
+
+class LogHost(Protocol):
+    """What a stream's log needs from the storage it belongs to (DiskStorage is one)."""
+
+    fs: FileSystem
+    budget: ByteBudget
+    fsync: str
+    limits: SegmentLimits
+    cache_bytes: int
+    health: Health
+    committer: Committer
+    cold: ColdTier | None
+
+    async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+
+class LogState:
+    """The state every part of a `DiskLog` shares. Accepted (`meta`, `producers`, `tail`: what
+    the actor has said yes to) runs ahead of published (durable, what readers see) by the appends
+    queued or being committed."""
+
+    def __init__(self, host: LogHost, directory: Path, meta: StreamMeta) -> None:
+        self.host = host
+        self.directory = directory
+        self.meta = meta  # accepted
+        self.producers: dict[str, ProducerState] = {}
+        self.on_publish: Callable[[], None] | None = None
+        self.segments: list[Segment] = []
+        self.index = RecordIndex()
+        self._cache = TailCache(host.cache_bytes)
+        self._tail = meta.fork_base
+        # published (durable) state
+        self._pub_tail = meta.fork_base
+        self._pub_closed = False
+        self._durable_meta = replace(meta)
+        self._durable_producers: dict[str, ProducerState] = {}
+        self._queue: list[Pending] = []
+        self._committing = False
+        self._latest: Commit = resolved(0)
+        self.writer = SegmentWriter(host.fs, directory)
+        self.io_lock = trio.Lock()
+        self.dirty = False  # written but not yet synced (fsync=interval)
+        self.deleted = False
+        self.deleting: trio.Event | None = None  # set when a delete in progress has its outcome
+        self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier
+        # Retention (log_retention.py): readers see nothing before `floor` (410); the files before it
+        # may stay a while for forks that pin them (`segments[0].start` is what is still held).
+        self.floor = 0  # a fork shows its source from 0
+        self.snapshot_end: int | None = None  # the end of the compaction snapshot at the floor
+        # The time of the last append whose record retention dropped: a sliding TTL counts from
+        # it when no later record is left.
+        self.last_append_ms: int | None = None
+
+    # ---- state views --------------------------------------------------------------------
+
+    @property
+    def tail(self) -> int:
+        return self._tail
+
+    @property
+    def published_tail(self) -> int:
+        return self._pub_tail
+
+    @property
+    def published_closed(self) -> bool:
+        return self._pub_closed
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + (1 if self._committing else 0)
+
+    @property
+    def active_segment(self) -> Segment:
+        return self.segments[-1]
+
+    def latest_commit(self) -> Commit:
+        return self._latest
+
+    def next_append_end(self, position: int) -> int | None:
+        return self.index.record_end(position, self._pub_tail)
+
+    def is_boundary(self, position: int) -> bool:
+        return self.index.is_boundary(position, self.meta.fork_base, self._pub_tail)
+
+    # ---- loading (recovery) -----------------------------------------------------------
+
+    def index_record(self, segment: Segment, record: fmt.Record, payload: bytes | None) -> None:
+        """Adds a durable record to the published state (used by recovery and by publishing)."""
+        lengths = record.message_lengths
+        self.index.add(
+            Entry(
+                record.start,
+                record.payload_len,
+                segment,
+                record.payload_offset,
+                lengths if len(lengths) > 1 else None,
+            )
+        )
+        self._pub_tail = record.start + record.payload_len
+        if segment.appends == 0:
+            segment.first_ms = record.time_ms
+        segment.last_ms = record.time_ms
+        segment.appends += 1
+        segment.size = max(segment.size, record.end)
+        segment.last_record_at = record.file_offset
+        producer = record.producer
+        if producer is not None:
+            self._durable_producers[producer[0]] = ProducerState(producer[1], producer[2])
+        if record.stream_seq is not None:
+            self._durable_meta.last_stream_seq = record.stream_seq
+        if record.closes:
+            self._pub_closed = True
+            self._durable_meta.closed = True
+            if producer is not None:
+                self._durable_meta.closed_by = ProducerMark(*producer)
+        if payload is not None:
+            self._cache.put(self.index.dropped + len(self.index) - 1, payload)
+
+    def adopt_floor(self, checkpoint: FloorCheckpoint) -> None:
+        """At recovery, before the records still there are indexed: what the dropped ones decided."""
+        self.floor = max(self.floor, checkpoint.floor)
+        self.snapshot_end = checkpoint.snapshot_end
+        self.last_append_ms = checkpoint.last_append_ms
+        self._durable_producers.update(checkpoint.producers)
+        self._durable_meta.last_stream_seq = checkpoint.last_stream_seq
+        if checkpoint.closed:
+            self._pub_closed = True
+            self._durable_meta.closed = True
+            self._durable_meta.closed_by = checkpoint.closed_by
+        self._pub_tail = max(self._pub_tail, checkpoint.floor)
+
+    @property
+    def held_from(self) -> int:
+        """The first position whose bytes this stream still holds (its own, not a source's)."""
+        return self.segments[0].start if self.segments else self.floor
+
+    @property
+    def record_count(self) -> int:
+        """Append records published in this stream since recovery found it (those below the floor
+        it found excluded): the admin API's `appends`, whose rate the stream browser charts."""
+        return self.index.dropped + len(self.index)
+
+    def tier_bytes(self) -> dict[str, int]:
+        """This stream's segment bytes by tier, as `DiskStorage.tier_bytes` counts them all."""
+        hot = sum(segment.size for segment in self.segments if segment.local)
+        cold = sum(segment.size for segment in self.segments if not segment.local)
+        return {"hot": hot, "cold": cold}
+
+    def adopt_durable_state(self, last_append_ms: int | None) -> None:
+        """After loading: the accepted state starts equal to the durable one."""
+        if last_append_ms is not None:
+            self._durable_meta.last_access = max(self._durable_meta.created_at, last_append_ms / 1000)
+        else:
+            self._durable_meta.last_access = self._durable_meta.created_at
+        self._tail = self._pub_tail
+        self.meta = replace(self._durable_meta)
+        self.producers = dict(self._durable_producers)
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Holds the stream's I/O lock; wakes the committer afterwards if appends queued meanwhile."""
+        async with self.io_lock:
+            yield
+        if self._queue:
+            # Only ever a DiskLog, which the committer takes batches from.
+            self.host.committer.wake(cast("Committable", self))

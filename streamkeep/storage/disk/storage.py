@@ -1,0 +1,400 @@
+"""Disk storage: each stream is a directory of segment files (docs/segment-format.md), each
+kept by a `DiskLog` (log.py); this module is the storage around them.
+
+It creates and deletes streams, recovers them at start, runs the committer and interval syncs,
+and recovers from an unclean stop. A delete first lets the commits already accepted land (they
+happened before the delete), then takes the stream's I/O lock, so an append racing a DELETE
+either lands in the old stream or is answered 404, and the stream's descriptor is closed before
+its files go: nothing stays open on a deleted file.
+
+With `fsync=always` an append is published (acknowledged, visible to readers) only after it is
+synced. `interval` publishes after the write and syncs dirty streams every `fsync_interval`;
+`never` leaves syncing to the OS. In every mode a segment is synced before it is sealed. What each
+mode promises across a process crash and a power cut is in docs/segment-format.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from streamkeep.background import supervised
+from streamkeep.health import Health
+from streamkeep.protocol.stream import StreamMeta
+from streamkeep.segments import format as fmt
+from streamkeep.segments import layout
+from streamkeep.storage import files
+from streamkeep.storage.base import ByteBudget, RemoteSources
+from streamkeep.storage.disk.committer import Committer, RoundSettings
+from streamkeep.storage.disk.directory import DataDirectory, FormatError
+from streamkeep.storage.disk.index import Segment
+from streamkeep.storage.disk.log import DiskLog
+from streamkeep.storage.disk.meta import encode_meta
+from streamkeep.storage.disk.recovery import Loaded, RecoveryReport, recover
+from streamkeep.storage.disk.tiering import ColdTier
+from streamkeep.storage.disk.writer import ReadOnly, SegmentLimits
+from streamkeep.storage.errors import (
+    StorageUnavailable,
+    below_reserve,
+    from_os_error,
+    not_durable,
+)
+from streamkeep.storage.files import FileSystem
+
+log = logging.getLogger(__name__)
+
+FSYNC_POLICIES = ("always", "interval", "never")
+RunSync = Callable[..., Awaitable[Any]]
+
+
+class DiskStorage:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        budget: ByteBudget,
+        fsync: str = "always",
+        fsync_interval: float = 1.0,
+        segment_max_bytes: int = 64 << 20,
+        segment_max_messages: int = 100_000,
+        segment_max_age: float = 0.0,
+        io_threads: int = 32,
+        cache_bytes: int = 256 << 10,
+        commit_group: int = 2,
+        sync_method: str = "fdatasync",
+        min_free_bytes: int = 0,
+        fs: FileSystem = files.OS,
+        run_sync: RunSync | None = None,
+    ) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {FSYNC_POLICIES}")
+        if sync_method not in ("fdatasync", "syncfs"):
+            raise ValueError("sync_method must be fdatasync or syncfs")
+        self.root = root
+        self.fs = fs
+        self.directory = DataDirectory(fs, root)
+        self.remote: RemoteSources | None = None  # fork sources on other members (a cluster)
+        self.budget = budget
+        self.fsync = fsync
+        self.fsync_interval = fsync_interval
+        self.sync_method = sync_method
+        self.min_free_bytes = min_free_bytes
+        self.segment_max_age = segment_max_age  # seconds; 0 turns age-based sealing off
+        self.limits = SegmentLimits(segment_max_bytes, segment_max_messages, segment_max_age)
+        self.cache_bytes = cache_bytes
+        self._limiter = trio.CapacityLimiter(io_threads)
+        self._run_sync: RunSync = run_sync or trio.to_thread.run_sync
+        self._logs: dict[str, DiskLog] = {}
+        self.root_fd = -1
+        self.health = Health()
+        self.committer = Committer(
+            self.run_io,
+            RoundSettings(fsync == "always", sync_method == "syncfs", min_free_bytes),
+            commit_group,
+            free_bytes=lambda: fs.free_bytes(root),
+            syncfs=lambda: fs.syncfs(self.root_fd),
+        )
+        self.cold: ColdTier | None = None
+
+    # ---- plumbing -------------------------------------------------------------------
+
+    async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._run_sync(fn, *args, limiter=self._limiter)
+
+    async def start(self, nursery: trio.Nursery) -> RecoveryReport:
+        """Recovers every stream from disk, then starts committing (and syncing, fsync=interval)."""
+        version = await self.run_io(self.directory.open)
+        if version != layout.FORMAT_VERSION:
+            raise FormatError(
+                f"{self.root} is in format {version}; this version needs format {layout.FORMAT_VERSION}: "
+                "run `streamkeep migrate` (or start with `streamkeep serve`, which upgrades it)"
+            )
+        report = await self.run_io(self._recover_all)
+        self.root_fd = await self.run_io(self.fs.open, self.root, os.O_RDONLY)
+        try:
+            unclean = await self.run_io(self.directory.mark_running)
+        except OSError as error:
+            log.warning(
+                "cannot note the start in %s (%s); treating the last stop as a crash", self.root, error
+            )
+            unclean = True
+        if unclean:
+            await self._after_a_crash()
+        nursery.start_soon(supervised, "committer", self.committer.run, self.health)
+        if self.fsync == "interval":
+            nursery.start_soon(supervised, "interval sync", self._sync_loop, self.health)
+        return report
+
+    async def _after_a_crash(self) -> None:
+        """The last server did not stop cleanly. What recovery read may be only in the page cache:
+        a reader must never be shown bytes a power cut could still take back, so it is synced
+        now. Under --fsync interval a sync that failed before the crash may have dropped
+        acknowledged bytes from the dirty set for good (a later fsync would report success
+        without writing them), so each stream's active segment is also written again, through
+        a fresh descriptor, at its first sync."""
+        try:
+            await self.run_io(self.fs.syncfs, self.root_fd)
+        except OSError as error:
+            self.health.failed("crash recovery sync", str(error))
+        if self.fsync == "interval":
+            for stream_log in self._logs.values():
+                stream_log.writer.needs_repair = True
+                stream_log.writer.synced_size = None
+                stream_log.dirty = True
+
+    async def stop(self) -> None:
+        """At shutdown, once nothing else runs: syncs what fsync=interval/never left unsynced (a
+        clean stop loses nothing to a later power cut), closes every descriptor, and notes the
+        clean stop so the next start needs no crash recovery."""
+        clean = True
+        for stream_log in list(self._logs.values()):
+            if stream_log.writer.needs_repair and stream_log.writer.read_only is None:
+                try:  # a failed write not yet cut back: cut it now, not at the next start
+                    async with stream_log.exclusive():
+                        await self.run_io(stream_log.writer.repair, stream_log.active_segment)
+                except (OSError, ReadOnly) as error:
+                    clean = False
+                    log.error("shutdown: repairing %r failed: %s", stream_log.meta.name, error)
+            if self.fsync != "always" and (stream_log.writer.open_fd() is not None or stream_log.dirty):
+                try:
+                    await stream_log.sync()
+                except OSError as error:
+                    clean = False
+                    log.error("shutdown: syncing %r failed: %s", stream_log.meta.name, error)
+        self.close()
+        if clean:
+            try:
+                await self.run_io(self.directory.mark_stopped)
+            except OSError as error:
+                log.error("shutdown: cannot note the clean stop: %s", error)
+
+    def close(self) -> None:
+        if self.root_fd >= 0:
+            self.fs.close(self.root_fd)
+            self.root_fd = -1
+        for stream_log in self._logs.values():
+            stream_log.writer.close()
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await trio.sleep(self.fsync_interval)
+            for stream_log in list(self._logs.values()):
+                if not stream_log.dirty:
+                    continue
+                try:
+                    await stream_log.sync()
+                except OSError as error:
+                    self.health.failed("interval sync", f"{stream_log.meta.name!r}: {error}")
+                else:
+                    self.health.ok("interval sync")
+
+    # ---- the Storage interface --------------------------------------------------------
+
+    def open(self, name: str) -> DiskLog | None:
+        return self._logs.get(name)
+
+    def logs(self) -> list[DiskLog]:
+        return list(self._logs.values())
+
+    def names(self) -> list[str]:
+        return list(self._logs)
+
+    async def create(self, meta: StreamMeta, messages: list[bytes]) -> DiskLog:
+        added = sum(len(m) for m in messages)
+        self.budget.reserve(0, added)
+        time_ms = int(time.time() * 1000)
+        base = meta.fork_base
+        segment_bytes = fmt.encode_segment_header(meta.name, base, meta.content_type, meta.stream_id)
+        header_len = len(segment_bytes)
+        initial = None
+        if messages or meta.closed:
+            initial = fmt.encode_append(base, time_ms, messages, closes=meta.closed)
+            segment_bytes += initial
+        directory = self.directory.stream_dir(meta.name)
+        contents = {layout.META: encode_meta(meta), layout.segment_filename(base): segment_bytes}
+        uncertain = None
+        try:
+            await self.run_io(self._create_files, directory, contents)
+        except files.NotDurable as error:  # it exists, but a power cut may take it back
+            uncertain = not_durable(f"create of {meta.name!r}", error)
+        except (OSError, StorageUnavailable) as error:
+            self.budget.release(added)
+            if isinstance(error, StorageUnavailable):
+                raise
+            raise from_os_error(error, f"create of {meta.name!r}") from None
+        stream_log = DiskLog(self, directory, replace(meta, closed=False))
+        segment = Segment(base, directory / layout.segment_filename(base), header_len)
+        stream_log.segments.append(segment)
+        if initial is not None:
+            record = fmt.decode_at(segment_bytes, header_len)
+            stream_log.index_record(segment, record, record.payload)
+        stream_log.adopt_durable_state(time_ms)
+        stream_log.writer.synced_size = len(segment_bytes)
+        stream_log.meta.last_access = meta.last_access
+        self._logs[meta.name] = stream_log
+        if uncertain is not None:
+            raise uncertain
+        return stream_log
+
+    def _create_files(self, directory: Path, contents: dict[str, bytes]) -> None:
+        if self.min_free_bytes:
+            free = self.fs.free_bytes(self.root)
+            if free - sum(len(data) for data in contents.values()) < self.min_free_bytes:
+                raise below_reserve(f"create of {directory.name}", free, self.min_free_bytes)
+        self.directory.create_stream(directory, contents)
+
+    async def delete(self, name: str) -> None:
+        stream_log = self._logs.get(name)
+        if stream_log is None:
+            return
+        await stream_log.drain()  # appends accepted before the delete land first
+        async with stream_log.io_lock:
+            if self._logs.get(name) is not stream_log:
+                return
+            keys = [entry["key"] for entry in stream_log.cold_entries]
+            # Reads take no lock: one that finds the files gone meanwhile waits for this outcome.
+            stream_log.deleting = trio.Event()
+            try:
+                pending, uncertain = await self.run_io(self._delete_files, stream_log, keys)
+            except OSError as error:
+                raise from_os_error(error, f"delete of {name!r}") from None
+            else:
+                stream_log.deleted = True
+                del self._logs[name]
+            finally:
+                stream_log.deleting.set()
+                stream_log.deleting = None
+        self.budget.release(stream_log.tail - stream_log.held_from)
+        if uncertain is not None:  # its objects stay: a power cut may bring the stream back
+            raise not_durable(f"delete of {name!r}", uncertain)
+        if keys and self.cold is not None:
+            self.cold.forget(pending, keys)
+
+    def _delete_files(
+        self, stream_log: DiskLog, keys: list[str]
+    ) -> tuple[Path | None, files.NotDurable | None]:
+        stream_log.writer.close()
+        return self.directory.delete_stream(stream_log.directory, keys)
+
+    async def save_meta(self, name: str, meta: StreamMeta) -> None:
+        stream_log = self._logs.get(name)
+        if stream_log is None:
+            return
+        async with stream_log.exclusive():
+            try:
+                await self.run_io(
+                    files.replace, self.fs, stream_log.directory, layout.META, encode_meta(meta)
+                )
+            except OSError as error:
+                raise from_os_error(error, f"update of {name!r}") from None
+
+    def pending_object_deletes(self) -> list[tuple[Path, list[str]]]:
+        return self.directory.pending_object_deletes()
+
+    def stats(self) -> dict:
+        try:
+            free = self.fs.free_bytes(self.root)
+        except OSError:
+            free = None
+        return {
+            "free_bytes": free,
+            "min_free_bytes": self.min_free_bytes,
+            "commit_rounds": self.committer.rounds,
+            **self.health.stats(),
+            "read_only_streams": sorted(n for n, s in self._logs.items() if s.writer.read_only is not None),
+        }
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of segment files by where they are: `hot` on local disk (cold copies kept as a
+        cache included), `cold` only in the bucket. One pass over every segment: for scrapes."""
+        hot = cold = 0
+        for stream_log in self._logs.values():
+            for segment in stream_log.segments:
+                if segment.local:
+                    hot += segment.size
+                else:
+                    cold += segment.size
+        return {"hot": hot, "cold": cold}
+
+    # ---- recovery ---------------------------------------------------------------------
+
+    def _recover_all(self) -> RecoveryReport:
+        report = recover(self.fs, self.directory, self._adopt)
+        self._link_forks(report)
+        report.bytes = self.budget.total_bytes
+        return report
+
+    def _adopt(self, loaded: Loaded) -> DiskLog:
+        stream_log = DiskLog(self, loaded.directory, loaded.meta)
+        stream_log.cold_entries = loaded.cold_entries
+        stream_log.segments = loaded.segments
+        if loaded.floor is not None:
+            stream_log.adopt_floor(loaded.floor)
+        for segment, record in loaded.records:
+            stream_log.index_record(segment, record, None)
+        last_ms = loaded.last_ms if loaded.last_ms is not None else stream_log.last_append_ms
+        stream_log.adopt_durable_state(last_ms)
+        if self.fsync == "always":  # what recovery read was synced before it was acknowledged
+            stream_log.writer.synced_size = stream_log.active_segment.size
+        stream_log.writer.needs_repair = loaded.needs_repair
+        self._logs[stream_log.meta.name] = stream_log
+        self.budget.total_bytes += stream_log.tail - stream_log.held_from
+        return stream_log
+
+    def _link_forks(self, report: RecoveryReport) -> None:
+        """Counts each stream's live forks, and finishes cascading deletes a crash interrupted:
+        a soft-deleted stream that no fork reads any more is removed. Forks other cluster members
+        own count by their pins (`remote_forks`), which the cluster's reconcile keeps true."""
+        for stream_log in self._logs.values():
+            stream_log.meta.fork_count += len(stream_log.meta.remote_forks)
+        for stream_log in self._logs.values():
+            source = stream_log.meta.forked_from
+            if source is None or (self.remote is not None and self.remote.elsewhere(source)):
+                continue
+            parent = self._logs.get(source)
+            if parent is None:
+                log.error(
+                    "recovery: fork %r has lost its source %r; its inherited range cannot be read",
+                    stream_log.meta.name,
+                    source,
+                )
+                report.skipped.append(f"{stream_log.meta.name}: source {source!r} missing")
+                continue
+            if parent.published_tail < stream_log.meta.fork_base:
+                log.error(
+                    "recovery: fork %r inherits up to position %d of %r, which ends at %d; reads of "
+                    "the missing range will fail",
+                    stream_log.meta.name,
+                    stream_log.meta.fork_base,
+                    source,
+                    parent.published_tail,
+                )
+                report.skipped.append(f"{stream_log.meta.name}: source {source!r} ends before the fork point")
+            parent.meta.fork_count += 1
+        removed = True
+        while removed:
+            removed = False
+            for name, stream_log in list(self._logs.items()):
+                if stream_log.meta.soft_deleted and stream_log.meta.fork_count == 0:
+                    try:
+                        self._delete_files(stream_log, [entry["key"] for entry in stream_log.cold_entries])
+                    except (
+                        OSError
+                    ) as error:  # a full or failing disk: it stays soft-deleted until the next start
+                        log.warning("recovery: %s: cannot finish deleting it now: %s", name, error)
+                        continue
+                    del self._logs[name]
+                    self.budget.total_bytes -= stream_log.tail - stream_log.held_from
+                    parent = self._logs.get(stream_log.meta.forked_from or "")
+                    if parent is not None:
+                        parent.meta.fork_count -= 1
+                    report.repaired.append(f"{name}: finished deleting (its last fork was gone)")
+                    log.warning("recovery: %s: finished deleting; its last fork was gone", name)
+                    removed = True
