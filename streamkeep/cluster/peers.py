@@ -10,7 +10,8 @@ caller's client sees the owner's own answer (a fork of a missing source: 404 fro
 member). A member that cannot be reached is `PeerUnavailable` (503, Retry-After).
 
 Whether a member is taken for down is kept here, once for every feature: a member whose last call
-failed unavailable (unreachable, or a 503 answer; a feature that gives up waiting says so too) is
+failed unavailable (unreachable, or a 503 that is about the member, not one stream: see
+MEMBER_DOWN_CODES; a feature that gives up waiting says so too) is
 down until a call to it succeeds again (`Peers.down`). Calls a client waits for ask it first and
 fail at once instead of waiting for a hung member again and again (cluster subscriptions, the
 registry relay); a feature that watches a member waits on `went_down` and probes it.
@@ -109,6 +110,12 @@ class PeerOps:
         return await handler(caller, payload)
 
 
+# Refusals that say the member as a whole cannot serve now (still recovering, another placement
+# epoch, too busy), as opposed to a 503 about one stream (its disk, its cold tier): only these take
+# the member for down for every feature.
+MEMBER_DOWN_CODES = frozenset({"not_ready", "stale_placement", "member_unavailable", "server_busy"})
+
+
 class DownMembers:
     """The members taken for down, and why: the first cause stands until a call answers."""
 
@@ -200,7 +207,7 @@ class Peers:
                 str(body.get("message", "")),
                 [("Retry-After", retry)] if retry else [],
             )
-            if refusal.status == 503:
+            if refusal.status == 503 and refusal.code in MEMBER_DOWN_CODES:
                 self.down.mark(member.id, refusal.message)
             raise refusal
         self.failures += 1

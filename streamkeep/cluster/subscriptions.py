@@ -205,7 +205,7 @@ class SubscriptionPeers:
             state.retry_now = trio.Event()
 
     def _failed(self, state: _Member, what: str, error: Exception) -> None:
-        state.failures += 1  # a 503 has already made peers take it for down
+        state.failures += 1  # a 503 about the member (peers.MEMBER_DOWN_CODES) made peers take it for down
         if isinstance(error, ProtocolError):
             cause = f"{what}: {error.status} {error.code}"
         else:
