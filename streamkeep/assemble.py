@@ -43,12 +43,14 @@ from streamkeep.registry.keeper import RegistryKeeper
 from streamkeep.server.forwarding import FrontDoor
 from streamkeep.server.probes import Readiness, Sections
 from streamkeep.server.service import Recovered, Service, ServiceOptions
+from streamkeep.storage import files
 from streamkeep.storage.base import ByteBudget
 from streamkeep.storage.cold import migrate
 from streamkeep.storage.cold.archiver import Archiver
 from streamkeep.storage.cold.store import ColdConfig, ObjectStore, S3Store
 from streamkeep.storage.disk.retention import Retention, RetentionRule
-from streamkeep.storage.disk.storage import DiskStorage
+from streamkeep.storage.disk.storage import READ_CACHE_BYTES, DiskStorage
+from streamkeep.storage.files import FileSystem
 from streamkeep.storage.memory import MemoryStorage
 from streamkeep.subscriptions.manager import SubscriptionManager
 from streamkeep.subscriptions.signing import Keys
@@ -68,7 +70,10 @@ RunSync = Callable[..., Awaitable[Any]]
 class Injected:
     """Parts put in place of what the settings would build; the defaults are the real ones."""
 
-    storage: MemoryStorage | DiskStorage | None = None  # None: built from the settings
+    # The file system disk storage writes through, and the size of each log's tail cache: the
+    # simulation's disk is simulated, and its cache small so that reads go to that disk.
+    fs: FileSystem = files.OS
+    read_cache_bytes: int = READ_CACHE_BYTES
     cold_config: ColdConfig | None = None  # None: from the settings (`--cold-url`)
     object_store: Callable[[ColdConfig], ObjectStore] = S3Store
     run_sync: RunSync | None = None  # where blocking work runs; None: trio's worker threads
@@ -80,12 +85,13 @@ class Injected:
     retry_start: Callable[[OSError, int], Awaitable[bool]] | None = None
 
 
-def make_storage(settings: SimpleNamespace) -> MemoryStorage | DiskStorage:
+def make_storage(settings: SimpleNamespace, injected: Injected | None = None) -> MemoryStorage | DiskStorage:
     """The configured storage, not yet recovered (nothing read from disk yet)."""
     limits = settings.limits
     if settings.storage.mode == "memory":
         return MemoryStorage(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes)
     options = settings.storage
+    injected = Injected() if injected is None else injected
     return DiskStorage(
         Path(options.data_dir),
         budget=ByteBudget(max_stream_bytes=limits.max_stream_bytes, max_total_bytes=limits.max_total_bytes),
@@ -97,6 +103,9 @@ def make_storage(settings: SimpleNamespace) -> MemoryStorage | DiskStorage:
         io_threads=options.io_threads,
         sync_method=options.sync_method,
         min_free_bytes=options.min_free_bytes,
+        fs=injected.fs,
+        run_sync=injected.run_sync,
+        cache_bytes=injected.read_cache_bytes,
     )
 
 
@@ -123,7 +132,7 @@ class Server:
         self.nursery = nursery
         self.injected = injected = Injected() if injected is None else injected
         self.run_sync: RunSync = injected.run_sync or trio.to_thread.run_sync
-        self.storage = storage = make_storage(settings) if injected.storage is None else injected.storage
+        self.storage = storage = make_storage(settings, injected)
         self.supervisor = supervisor = Supervisor(
             storage,
             nursery,

@@ -67,7 +67,6 @@ from streamkeep.assemble import Injected, Server
 from streamkeep.protocol.model import Headers, Request
 from streamkeep.server.service import Service
 from streamkeep.storage import files
-from streamkeep.storage.base import ByteBudget
 from streamkeep.storage.cold.store import ColdConfig
 from streamkeep.storage.disk.storage import DiskStorage
 
@@ -325,28 +324,14 @@ class Simulation:
     async def _start(self, nursery: trio.Nursery) -> World:
         """The server as `streamkeep serve` assembles it, on the simulated disk and bucket."""
         config = self.config
-        storage = DiskStorage(
-            ROOT,
-            budget=ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 24),
-            fs=self.fs,
-            run_sync=self.det.threads.run_sync,
-            fsync=config.fsync,
-            fsync_interval=config.fsync_interval,
-            sync_method=config.sync_method,
-            segment_max_bytes=config.segment_max_bytes,
-            segment_max_messages=config.segment_max_messages,
-            segment_max_age=config.segment_max_age,
-            cache_bytes=512,
-            io_threads=4,
-            min_free_bytes=config.min_free_bytes,
-        )
         cold = None
         if config.cold:
             cold = ColdConfig(
                 "archive", "sim", None, None, create_bucket=True, high_water_bytes=60_000, cache_bytes=2048
             )
         injected = Injected(
-            storage=storage,
+            fs=self.fs,
+            read_cache_bytes=512,
             cold_config=cold,
             object_store=partial(SimStore, self.s3),
             run_sync=self.det.threads.run_sync,
@@ -358,7 +343,8 @@ class Simulation:
         )
         server = Server(_settings(config), nursery, injected)
         await server.recover()
-        return World(storage, server.service, nursery)
+        assert isinstance(server.storage, DiskStorage)
+        return World(server.storage, server.service, nursery)
 
     async def _retry_start(self, error: OSError, attempt: int) -> bool:
         """A start can fail on an injected fault: not a finding, retry it with the faults off."""
@@ -582,6 +568,18 @@ def _settings(config: SimConfig) -> SimpleNamespace:
     """The settings `streamkeep serve` would run with, sized for the simulation: short live
     reads, small reads and live windows, actors that hibernate soon, retention every second."""
     settings = settings_config.load(None, env={})
+    settings.storage.mode = "disk"
+    settings.storage.data_dir = str(ROOT)
+    settings.storage.fsync = config.fsync
+    settings.storage.fsync_interval = config.fsync_interval
+    settings.storage.sync_method = config.sync_method
+    settings.storage.segment_max_bytes = config.segment_max_bytes
+    settings.storage.segment_max_messages = config.segment_max_messages
+    settings.storage.segment_max_age = config.segment_max_age
+    settings.storage.min_free_bytes = config.min_free_bytes
+    settings.storage.io_threads = 4
+    settings.limits.max_stream_bytes = 1 << 20
+    settings.limits.max_total_bytes = 1 << 24
     settings.server.hibernate_after = 5.0
     settings.server.long_poll_timeout = 2.0
     settings.server.sse_close_after = 4.0

@@ -54,6 +54,11 @@ FSYNC_POLICIES = ("always", "interval", "never")
 RunSync = Callable[..., Awaitable[Any]]
 
 
+# Each stream log's cache of its newest records (index.TailCache), in bytes: live readers and
+# catch-ups near the tail are served without touching the disk.
+READ_CACHE_BYTES = 256 << 10
+
+
 class DiskStorage:
     def __init__(
         self,
@@ -66,7 +71,7 @@ class DiskStorage:
         segment_max_messages: int = 100_000,
         segment_max_age: float = 0.0,
         io_threads: int = 32,
-        cache_bytes: int = 256 << 10,
+        cache_bytes: int = READ_CACHE_BYTES,
         commit_group: int = 2,
         sync_method: str = "fdatasync",
         min_free_bytes: int = 0,
