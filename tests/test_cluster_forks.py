@@ -231,6 +231,9 @@ def test_a_fork_recovery_could_not_load_keeps_its_pin(cluster: Cluster, client: 
     cluster.members["a"].stop()
     meta.write_bytes(saved)  # the operator repairs it
     cluster.start_member("a")
+    # Until HAProxy's health check has seen the restarted member, the front door answers 503 with
+    # Retry-After (a client retries); the read is judged once it reaches the member.
+    wait_for(lambda: client.get(f"/v1/stream/{forked}?offset=-1").status_code != 503)
     assert client.get(f"/v1/stream/{forked}?offset=-1").content == b"inherited;"
 
 

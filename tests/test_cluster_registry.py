@@ -153,6 +153,8 @@ def test_with_the_keeper_killed_creates_elsewhere_succeed_and_are_listed_once_it
         assert stats["cause"].startswith("member_unavailable: ") and keeper in stats["cause"], stats
 
         cluster.start_member(keeper)  # its start reconciles the other member's part
+        # The front door answers 503 + Retry-After until its health check has seen the keeper again.
+        wait_for(lambda: front.get(f"/v1/stream/{REGISTRY}?offset=-1").status_code == 200)
         expected = sorted(set(before + during) - {before[0]})
         wait_for(lambda: sorted(listed(cluster.front)) == expected)
         wait_for(lambda: not registry_stats(cluster, other)["owed"])
