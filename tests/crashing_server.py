@@ -35,7 +35,7 @@ def main() -> int:
 
     class CrashingDiskStorage(DiskStorage):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, fs=fs, **kwargs)
+            super().__init__(*args, **{**kwargs, "fs": fs})  # in place of the real file system
 
     # A subclass, so the server's isinstance checks still see disk storage.
     assemble.DiskStorage = CrashingDiskStorage  # type: ignore[misc]
