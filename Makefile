@@ -60,10 +60,14 @@ unit: $(VENV_STAMP) $(NPM_STAMP) system-tools browser-tools
 	$(PY) -m pytest -q
 
 # The fault tests mount a small tmpfs and an ext4 loop image (as root, as CI runs): mkfs.ext4
-# comes from Debian's e2fsprogs. The cluster tests put Debian's haproxy in front of two processes.
+# comes from Debian's e2fsprogs. The cluster tests put Debian's haproxy in front of two processes, and
+# coordinate replication through Debian's etcd (etcd-server, 3.4); the replication tests cut a machine
+# off with iptables.
 system-tools:
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v mkfs.ext4 >/dev/null || { apt-get update -qq && apt-get install -y -qq e2fsprogs; }
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v haproxy >/dev/null || { apt-get update -qq && apt-get install -y -qq haproxy; }
+	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server; }
+	@PATH="$$PATH:/usr/sbin:/sbin" command -v iptables >/dev/null || { apt-get update -qq && apt-get install -y -qq iptables; }
 
 # The stream browser's tests (tests/test_ui_browser.py) drive the page in headless Chromium through
 # Selenium: Debian's chromium and the chromedriver built for it.
@@ -72,10 +76,13 @@ browser-tools:
 
 conformance: conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster
 
-# Through HAProxy to two processes: forks and subscriptions cross them (the runner checks they did).
+# Through HAProxy to a replicated cluster: two members, each on two processes (every commit on both
+# before it is acknowledged, etcd deciding who owns). Forks and subscriptions cross members, and every
+# member's follower was in sync and waited for (the runner checks all three). The unreplicated cluster
+# (--replicas 1) is covered by tests/test_cluster*.py.
 conformance-cluster: $(VENV_STAMP) $(NPM_STAMP) system-tools
-	$(PY) -m ops.run_conformance --cluster 2
-	$(PY) -m ops.run_conformance --cluster 2 --storage disk --tls-h2
+	$(PY) -m ops.run_conformance --cluster 2 --replicas 2 --storage disk
+	$(PY) -m ops.run_conformance --cluster 2 --replicas 2 --storage disk --tls-h2
 
 conformance-h1: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance
@@ -129,9 +136,13 @@ bench: bench-load bench-auth bench-compaction bench-recovery bench-cold bench-sp
 bench-ha: $(VENV_STAMP)
 	$(PY) -m ops.bench_ha
 
-## Appends through HAProxy to two processes beside one process direct, HTTP/1.1 and h2c (~1 min).
+## Appends through HAProxy to two processes beside one process direct, HTTP/1.1 and h2c (~1 min);
+## then what replication costs (--replicas 2 vs 1, alternating), failover, time to redundancy per GiB
+## and the failover of a member holding many streams (ops/bench_replication.py; ~20-30 min on 2 cores).
+## Extra flags for the second: make bench-cluster REPLICATION_ARGS="--streams 100000 --fill-mib 4096"
 bench-cluster: $(VENV_STAMP) system-tools h2load
 	$(PY) -m ops.bench_cluster
+	$(PY) -m ops.bench_replication $(REPLICATION_ARGS)
 
 ## Compaction of a 1 GiB State Protocol stream (100k keys): time, peak memory, other streams' latency.
 bench-compaction: $(VENV_STAMP)
@@ -181,10 +192,12 @@ crash-test: $(VENV_STAMP)
 ## server process under kill -9, full disks and a stopped bucket, 2 minutes a run, on tmpfs, an ext4
 ## loop image and a plain directory). Needs root (mounts). Exit status 1 on any finding; each failing
 ## run prints the command that replays it.
+## ARGS replaces the whole command line: e.g. the replicated cluster (issue 23; also needs etcd and
+## iptables) for 30 minutes of one run: make torture ARGS="blackbox --cluster 3 --replicas 2 --minutes 30"
 DURATION ?= 30
 SEED ?= 1
 torture: $(VENV_STAMP)
-	$(PY) -m ops.torture all --total-minutes $(DURATION) --seed $(SEED)
+	$(PY) -m ops.torture $(if $(ARGS),$(ARGS),all --total-minutes $(DURATION) --seed $(SEED))
 
 clean:
 	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

@@ -12,6 +12,7 @@ suite's webhook receiver listens on loopback). Exits non-zero when any test fail
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import subprocess
@@ -45,7 +46,6 @@ STATS_ASKED = [0]  # this runner's own /stats requests (HTTP/1.1), beside the su
 
 
 def server_stats(url: str, ca: Path | None, token: str | None, query: str = "") -> dict:
-    import json
 
     STATS_ASKED[0] += 1
     import ssl
@@ -70,6 +70,24 @@ def subscription_crossings(view: dict) -> int:
 def subscriptions_crossed(url: str, ca: Path | None, token: str | None) -> bool:
     members = server_stats(url, ca, token, "?cluster=1")["members"]
     return sum(subscription_crossings(view) for view in members.values()) > 0
+
+
+def check_replicated(url: str, ca: Path | None, token: str | None) -> int:
+    """Every member's owner must have had an in-sync follower that its commits waited for: the
+    suite ran replicated, not on one copy."""
+    members = server_stats(url, ca, token, "?cluster=1")["members"]
+    seen = {
+        member: {
+            key: view.get("replication", {}).get(key)
+            for key in ("replica", "epoch", "follower_in_sync", "barrier_waits", "alone_seconds")
+        }
+        for member, view in members.items()
+    }
+    print(f"conformance: replication per member: {json.dumps(seen)}")
+    if all(s["follower_in_sync"] and (s["barrier_waits"] or 0) > 0 for s in seen.values()):
+        return 0
+    print("conformance: a member ran without an in-sync follower", file=sys.stderr)
+    return 1
 
 
 def check_crossed_members(url: str, ca: Path | None, token: str | None, *, http2: bool) -> int:
@@ -138,6 +156,12 @@ def main() -> int:
         metavar="N",
         help="run the suite through the front door (HAProxy) of `streamkeep cluster run --processes N`",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --cluster: `cluster run --replicas N` (2: every member on two processes; disk storage)",
+    )
     parser.add_argument("--filter", help="vitest -t pattern to run a subset (for debugging)")
     parser.add_argument("server_args", nargs="*", help="extra `streamkeep serve` arguments")
     args = parser.parse_args()
@@ -168,6 +192,7 @@ def main() -> int:
 
             server_args[server_args.index("--data-dir") + 1] = str(Path(tmp) / "cluster")
             command = [sys.executable, "-m", "streamkeep", "cluster", "run", "--processes", str(args.cluster)]
+            command += ["--replicas", str(args.replicas)]
             command += ["--port", str(free_port("127.0.0.1")), *server_args]
             server = launch(
                 command,
@@ -180,6 +205,7 @@ def main() -> int:
             ("HTTPS + HTTP/2" if args.tls_h2 else "HTTP/1.1")
             + f", {args.storage} storage, {args.edge} edge"
             + (", auth on (admin token)" if args.auth else "")
+            + (f", {args.replicas} replicas of each of {args.cluster} members" if args.replicas > 1 else "")
         )
         print(f"conformance: {mode} against {server.url}", flush=True)
         try:
@@ -217,6 +243,12 @@ def main() -> int:
                     Path(tmp) / "ca.pem" if args.tls_h2 else None,
                     env.get("CONFORMANCE_AUTH_TOKEN"),
                     http2=args.tls_h2,
+                )
+            if args.replicas > 1 and result.returncode == 0 and not args.filter:
+                result.returncode = check_replicated(
+                    server.url,
+                    Path(tmp) / "ca.pem" if args.tls_h2 else None,
+                    env.get("CONFORMANCE_AUTH_TOKEN"),
                 )
             if args.auth and result.returncode == 0:
                 ca_path = Path(tmp) / "ca.pem" if args.tls_h2 else None

@@ -83,6 +83,8 @@ class Injected:
     subscriptions: bool = True
     # Asked when storage fails to start, with the error and the attempt (from 0): True retries.
     retry_start: Callable[[OSError, int], Awaitable[bool]] | None = None
+    # A replica's coordinator (streamkeep/replica.py), shown in /stats and metrics: `describe()`.
+    replication: Any = None
 
 
 def make_storage(settings: SimpleNamespace, injected: Injected | None = None) -> MemoryStorage | DiskStorage:
@@ -141,7 +143,8 @@ class Server:
         )
         self.data_dir = storage.root if isinstance(storage, DiskStorage) else None
         self.state_dir = self.data_dir if injected.state_on_disk else None
-        self.gate = gate = auth_setup.build_gate(settings, self.state_dir)
+        self.storage_fs = injected.fs  # state files (keys, subscriptions) go where streams go
+        self.gate = gate = auth_setup.build_gate(settings, self.state_dir, fs=injected.fs)
         # /stats sections, filled in as their parts start (same order as the parts come up).
         self.sections: Sections = {}
         self.cluster = self._front_door()
@@ -155,7 +158,9 @@ class Server:
         request_stats = (
             RequestStats(access_log) if settings.metrics.enabled or access_log is not None else None
         )
-        self.sources = Sources(service=None, storage=storage, gate=gate)
+        self.sources = Sources(service=None, storage=storage, gate=gate, replication=injected.replication)
+        if injected.replication is not None:
+            self.sections["replication"] = injected.replication.describe
         self.metrics_page = prometheus.page(self.sources) if settings.metrics.enabled else None
         self.service = Service(
             supervisor,
@@ -330,7 +335,9 @@ class Server:
         peers = None if cluster is None else cluster.peers
         shared = None if peers is None else self.settings.cluster.secret
         keys = await self.run_sync(
-            partial(Keys, None if state is None else state / "keys", cluster_secret=shared)
+            partial(
+                Keys, None if state is None else state / "keys", cluster_secret=shared, fs=self.storage_fs
+            )
         )
         view = None if peers is None else RemoteStreams(peers.placement, peers.member, self.storage)
         subscriptions = SubscriptionManager(
@@ -339,6 +346,7 @@ class Server:
             state_dir=None if state is None else state / "subscriptions",
             allow_loopback_webhooks=self.settings.server.allow_loopback_webhooks,
             view=view,
+            fs=self.storage_fs,
         )
         if cluster is not None and peers is not None and view is not None:
             subscriptions.attach(
@@ -357,19 +365,19 @@ class Server:
         return subscriptions
 
 
-async def serve(settings: SimpleNamespace) -> None:
+async def serve(settings: SimpleNamespace, injected: Injected | None = None) -> None:
     opened: list[DiskStorage] = []
     try:
-        await _serve(settings, opened)
+        await _serve(settings, opened, injected)
     finally:
         for storage in opened:  # after every task ended: sync what fsync=interval/never left, close
             with trio.CancelScope(shield=True):
                 await storage.stop()
 
 
-async def _serve(settings: SimpleNamespace, opened: list[DiskStorage]) -> None:
+async def _serve(settings: SimpleNamespace, opened: list[DiskStorage], injected: Injected | None) -> None:
     async with trio.open_nursery() as nursery:
-        server = Server(settings, nursery)
+        server = Server(settings, nursery, injected)
         service = server.service
         shutdown = trio.Event()
 

@@ -121,6 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--data-dir", dest="storage_data_dir", default=None)
     migrate.add_argument("--cold-url", dest="cold_url", default=None)
     migrate.add_argument("--cold-endpoint", dest="cold_endpoint", default=None)
+    restore = commands.add_parser(
+        "restore",
+        help="rebuild a data directory from the cold tier's bucket when every local copy is gone",
+        description="Writes into an empty or new --data-dir every stream the bucket describes (only "
+        "--cluster-member's in a cluster), as recovery reads it: what was uploaded is restored, with "
+        "its offsets, producer state and closed flag; what was not is lost (docs/cold-and-spark.md).",
+    )
+    restore.add_argument(
+        "--from-bucket", action="store_true", required=True, help="restore from the cold tier (--cold-url)"
+    )
+    restore.add_argument("--config", metavar="FILE", help="TOML file, as for serve")
+    restore.add_argument(
+        "--data-dir", dest="storage_data_dir", default=None, metavar="DIR", help="empty or new"
+    )
+    restore.add_argument("--cold-url", dest="cold_url", default=None, metavar="s3://BUCKET/PREFIX")
+    restore.add_argument("--cold-endpoint", dest="cold_endpoint", default=None, metavar="URL")
+    restore.add_argument("--cold-region", dest="cold_region", default=None, metavar="REGION")
+    restore.add_argument(
+        "--cluster-member",
+        dest="cluster_member",
+        default=None,
+        metavar="ID",
+        help="in a cluster sharing one bucket ([cluster] in --config): restore only this member's streams",
+    )
     sign = commands.add_parser(
         "sign",
         help="print a signed link that grants reading one stream until it expires",
@@ -196,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data-dir", default="data/cluster", help="one directory per process below this")
     run.add_argument("--tls-cert", default=None, help="PEM certificate for the front door (with --tls-key)")
     run.add_argument("--tls-key", default=None, help="PEM private key for the front door")
+    run.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="copies of each member (2: each member's streams on two processes, every commit on both "
+        "before it is acknowledged, failover without an operator; etcd coordinates)",
+    )
+    run.add_argument(
+        "--etcd",
+        default=None,
+        help="with --replicas 2: the etcd cluster's client URLs (default: start one etcd on loopback)",
+    )
     resize = cluster_commands.add_parser(
         "resize",
         help="add or remove processes of a stopped `cluster run` cluster, moving streams that change owner",
@@ -398,6 +434,26 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _restore(args: argparse.Namespace) -> int:
+    from streamkeep.restore import restore
+
+    try:
+        settings = config.load(
+            args.config,
+            cli={
+                "storage_data_dir": args.storage_data_dir,
+                "cold_url": args.cold_url,
+                "cold_endpoint": args.cold_endpoint,
+                "cold_region": args.cold_region,
+                "cluster_member": args.cluster_member,
+            },
+        )
+    except config.ConfigError as error:
+        print(f"streamkeep: configuration error: {error}", file=sys.stderr)
+        return 2
+    return restore(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -409,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         return _archive(args)
     if args.command == "migrate":
         return _migrate(args)
+    if args.command == "restore":
+        return _restore(args)
     if args.command == "sign":
         return _sign(args)
     if args.command == "compact":
@@ -438,7 +496,10 @@ def main(argv: list[str] | None = None) -> int:
 
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
-    from streamkeep.assemble import run
+    if settings.replication.replicas > 1:
+        from streamkeep.replica import run
+    else:
+        from streamkeep.assemble import run
     from streamkeep.storage.disk.directory import FormatError
     from streamkeep.subscriptions.signing import KeyFileError
 
@@ -464,8 +525,17 @@ def _cluster_run(args: argparse.Namespace, serve_args: list[str]) -> int:
     from pathlib import Path
 
     from streamkeep.cluster.run import ClusterError, run
+    from streamkeep.cluster.run_replicated import run_replicated
 
+    if args.replicas not in (1, 2):
+        print("streamkeep cluster run: --replicas must be 1 or 2", file=sys.stderr)
+        return 2
     try:
+        if args.replicas == 2:
+            return run_replicated(
+                processes=args.processes, port=args.port, data_dir=Path(args.data_dir), host=args.host,
+                tls_cert=args.tls_cert, tls_key=args.tls_key, serve_args=serve_args, etcd=args.etcd,
+            )  # fmt: skip
         return run(
             processes=args.processes, port=args.port, data_dir=Path(args.data_dir), host=args.host,
             tls_cert=args.tls_cert, tls_key=args.tls_key, serve_args=serve_args,
@@ -508,11 +578,23 @@ def _haproxy_config(args: argparse.Namespace) -> int:
         return 2
     placement = Placement.of([Member(m, a) for m, a in settings.cluster.members], settings.cluster.epoch)
     live = max(settings.server.long_poll_timeout, settings.server.sse_close_after)
+    replicas = settings.cluster.replicas or None
     config_path = haproxy.write(
-        placement, Path(args.out), bind=args.bind, port=args.port, tls_cert=args.tls_cert, live_seconds=live
+        placement,
+        Path(args.out),
+        bind=args.bind,
+        port=args.port,
+        tls_cert=args.tls_cert,
+        live_seconds=live,
+        replicas=replicas,
     )
     for member in placement.members:
-        print(f"member {member.id} at {member.address}: {placement.slots_of(member.id)} slots")
+        served = (
+            ""
+            if replicas is None
+            else " (replicas " + ", ".join(f"{r} at {a}" for r, a in replicas[member.id]) + ")"
+        )
+        print(f"member {member.id} at {member.address}: {placement.slots_of(member.id)} slots{served}")
     print(
         f"wrote {config_path} and {config_path.parent / 'slots.map'} (epoch {placement.epoch}); "
         f"run: haproxy -f {config_path}"

@@ -89,14 +89,16 @@ class LinkKeys:
         return cls(ring)
 
     @classmethod
-    def load_or_create(cls, path: Path, *, now: float | None = None) -> LinkKeys:
+    def load_or_create(
+        cls, path: Path, *, now: float | None = None, fs: files.FileSystem = files.OS
+    ) -> LinkKeys:
         """The keys in `path` (lines `kid secret`, the first signs), which is created with one
         new key if it is missing. An empty file is treated as missing: nothing can have been
         signed with it. Raises ValueError when the file does not parse."""
         keys = cls._read(path)
         if keys is None:
             keys = cls([_new_key(now, ())])
-            keys._save(path)
+            keys._save(path, fs)
             log.info("created link key %s in %s", keys.current, path)
         return keys
 
@@ -137,11 +139,11 @@ class LinkKeys:
             log.warning("%s can be read by other users (mode %o); chmod 600 it", path, mode & 0o777)
         return keys
 
-    def _save(self, path: Path) -> None:
+    def _save(self, path: Path, fs: files.FileSystem = files.OS) -> None:
         text = "".join(f"{kid} {secret}\n" for kid, secret in self._ring)
-        files.makedirs(files.OS, path.parent)
+        files.makedirs(fs, path.parent)
         # Atomic: a crash leaves the old ring or the new one, never a torn file that signs nothing.
-        files.replace(files.OS, path.parent, path.name, text.encode("utf-8"), mode=0o600)
+        files.replace(fs, path.parent, path.name, text.encode("utf-8"), mode=0o600)
         # The mode applies only when the temp file is created; one left by a crash may have another.
         os.chmod(path, 0o600)
 

@@ -12,6 +12,7 @@ from streamkeep.auth.jwks import JwksKeys, JwksSource
 from streamkeep.auth.links import LinkKeys
 from streamkeep.auth.quotas import Quotas
 from streamkeep.auth.tokens import TokenVerifier
+from streamkeep.storage.files import OS, FileSystem
 
 log = logging.getLogger("streamkeep.auth")
 
@@ -22,16 +23,16 @@ def enabled(settings: SimpleNamespace) -> bool:
     return bool(settings.auth.jwt_secret or settings.auth.jwks_url)
 
 
-def link_keys(settings: SimpleNamespace, data_dir: Path | None) -> LinkKeys | None:
+def link_keys(settings: SimpleNamespace, data_dir: Path | None, fs: FileSystem = OS) -> LinkKeys | None:
     """The signed-link key ring: configured, else kept in the data directory (made at first use)."""
     if settings.auth.link_keys:
         return LinkKeys.parse(settings.auth.link_keys)
     if data_dir is None:
         return None
-    return LinkKeys.load_or_create(data_dir / LINK_KEYS_FILE)
+    return LinkKeys.load_or_create(data_dir / LINK_KEYS_FILE, fs=fs)
 
 
-def build_gate(settings: SimpleNamespace, data_dir: Path | None) -> Gate | None:
+def build_gate(settings: SimpleNamespace, data_dir: Path | None, fs: FileSystem = OS) -> Gate | None:
     if not enabled(settings):
         return None
     auth = settings.auth
@@ -64,7 +65,7 @@ def build_gate(settings: SimpleNamespace, data_dir: Path | None) -> Gate | None:
             bytes_per_second=quota.bytes_per_second or None,
             burst_seconds=quota.burst,
         )
-    return Gate(verifier, jwks=source, link_keys=link_keys(settings, data_dir), quotas=quotas)
+    return Gate(verifier, jwks=source, link_keys=link_keys(settings, data_dir, fs), quotas=quotas)
 
 
 def jwks_readiness(gate: Gate | None) -> Callable[[], str | None] | None:

@@ -6,7 +6,9 @@ table of `placement.py`: `path,crc32,mod(4096)` looked up in a map file of slot 
 backend with one server per member. Deliberately not `balance uri` + `hash-type consistent`:
 with health checks that hands a down member's streams to the next member on the ring, and `option
 redispatch` breaks persistence the same way; either would give a stream a second history. Here a
-down member's slots answer 503 with `Retry-After` until it is back.
+down member's slots answer 503 with `Retry-After` until it is back. A replicated member's backend
+(`[cluster] replicas`) is the exception that proves the rule: its two servers are the same member's
+two replicas, of which only the owner listens, so redispatching within it is exactly right.
 
 Subscription control requests route by the subscription's id (`/v1/stream/__ds/subscriptions/<id>`).
 Timeouts sit above the long-poll timeout and the SSE response lifetime, so HAProxy never cuts a
@@ -48,9 +50,16 @@ def config(
     tls_cert: str | None = None,
     live_seconds: float = 60.0,
     stats_port: int | None = None,
+    replicas: dict[str, list[tuple[str, str]]] | None = None,
 ) -> str:
     """haproxy.cfg text. `live_seconds`: the longest a live read may stay quiet (the larger of the
-    long-poll timeout and the SSE response lifetime); `tls_cert`: a PEM with key, for TLS + h2."""
+    long-poll timeout and the SSE response lifetime); `tls_cert`: a PEM with key, for TLS + h2.
+
+    `replicas` (with --replicas 2): each member's replicas as (name, host:port). Both are servers of
+    the member's backend; only the owner listens (a follower does not), so the health checks send
+    the member's requests to whichever replica owns it now, and after a failover to the promoted
+    one. Each member's `address` is then a frontend of this HAProxy (the same backend), which the
+    members use to reach each other wherever the member is served."""
     quiet = int(live_seconds) + 30
     bind_line = f"    bind {bind}:{port}"
     if tls_cert is not None:
@@ -105,7 +114,23 @@ def config(
             f"backend {backend(member.id)}",
             "    option httpchk GET /healthz",
             "    http-check expect status 200",
-            f"    server {member.id} {member.address} check inter 1s fall 2 rise 1",
+        ]
+        if replicas is None:
+            lines += [f"    server {member.id} {member.address} check inter 1s fall 2 rise 1", ""]
+            continue
+        # A failed owner is out after 2 checks 0.5 s apart; the promoted replica is in at its first.
+        # Until a check has run, HAProxy takes both for up: a connection the follower refuses (it
+        # does not listen) is retried on the other server of the backend, the same member's owner.
+        lines += ["    option redispatch 1"]
+        lines += [
+            f"    server {name} {address} check inter 500ms fall 2 rise 1"
+            for name, address in replicas[member.id]
+        ]
+        lines += [
+            "",
+            f"frontend peer_{member.id}",
+            f"    bind {member.address}",
+            f"    default_backend {backend(member.id)}",
             "",
         ]
     return "\n".join(lines)

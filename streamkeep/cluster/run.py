@@ -101,9 +101,15 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def write_toml(path: Path, members: list[Member], epoch: int) -> None:
+def write_toml(path: Path, members: list[Member], epoch: int, replicas: list[Member] | None = None) -> None:
     listed = ", ".join(f'{{id = "{m.id}", address = "{m.address}"}}' for m in members)
     text = f"# Written by `streamkeep cluster`.\n[cluster]\nepoch = {epoch}\nmembers = [{listed}]\n"
+    if replicas:
+        text += (
+            "replicas = ["
+            + ", ".join(f'{{id = "{r.id}", address = "{r.address}"}}' for r in replicas)
+            + "]\n"
+        )
     files.replace(files.OS, path.parent, path.name, text.encode())  # whole or not at all
 
 
@@ -124,6 +130,34 @@ def wait_until_up(url: str, process: subprocess.Popen[Any], what: str, seconds: 
     raise ClusterError(f"{what} did not answer {url} within {seconds:g} s")
 
 
+def check_arguments(processes: int, tls_cert: str | None, tls_key: str | None) -> None:
+    if processes < 1:
+        raise ClusterError("--processes must be at least 1")
+    if (tls_cert is None) != (tls_key is None):
+        raise ClusterError("--tls-cert and --tls-key go together")
+
+
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy") or next(
+        (p for p in ("/usr/sbin/haproxy", "/sbin/haproxy") if Path(p).exists()), None
+    )
+    if found is None:
+        raise ClusterError("haproxy is not installed: apt-get install haproxy (make system-tools does)")
+    return found
+
+
+def front_door_pem(data_dir: Path, tls_cert: str | None, tls_key: str | None) -> Path | None:
+    """HAProxy wants certificate and key in one file: written into DIR/haproxy (0600)."""
+    if tls_cert is None or tls_key is None:
+        return None
+    lb = data_dir / "haproxy"
+    lb.mkdir(parents=True, exist_ok=True)
+    pem = lb / "tls.pem"
+    pem.write_text(Path(tls_cert).read_text() + Path(tls_key).read_text())
+    pem.chmod(0o600)
+    return pem
+
+
 def run(
     *,
     processes: int,
@@ -134,15 +168,8 @@ def run(
     tls_key: str | None = None,
     serve_args: list[str] | None = None,
 ) -> int:
-    if processes < 1:
-        raise ClusterError("--processes must be at least 1")
-    if (tls_cert is None) != (tls_key is None):
-        raise ClusterError("--tls-cert and --tls-key go together")
-    found = shutil.which("haproxy") or next(
-        (p for p in ("/usr/sbin/haproxy", "/sbin/haproxy") if Path(p).exists()), None
-    )
-    if found is None:
-        raise ClusterError("haproxy is not installed: apt-get install haproxy (make system-tools does)")
+    check_arguments(processes, tls_cert, tls_key)
+    found = haproxy_binary()
     data_dir.mkdir(parents=True, exist_ok=True)
     ids, epoch = member_ids(data_dir, processes)
     if port == 0:
@@ -153,12 +180,7 @@ def run(
     write_toml(toml, members, placement.epoch)
     secret = cluster_secret(data_dir)
     lb = data_dir / "haproxy"
-    lb.mkdir(exist_ok=True)
-    pem = None
-    if tls_cert is not None and tls_key is not None:
-        pem = lb / "tls.pem"
-        pem.write_text(Path(tls_cert).read_text() + Path(tls_key).read_text())
-        pem.chmod(0o600)
+    pem = front_door_pem(data_dir, tls_cert, tls_key)
     config = haproxy.write(placement, lb, bind=host, port=port, tls_cert=None if pem is None else str(pem))
     children: list[tuple[str, subprocess.Popen[Any]]] = []
     stop = False

@@ -56,6 +56,7 @@ def load(
     values: dict[tuple[str, str], Any] = {(s.section, s.name): s.default for s in SETTINGS}
     rules: list[dict[str, Any]] = []
     members: list[tuple[str, str]] = []
+    replicas: list[tuple[str, str]] = []
     by_key = {(s.section, s.name): s for s in SETTINGS}
     by_key.update({(s.section, old): s for s in SETTINGS for old in s.old_names})
     if config_file:
@@ -75,6 +76,9 @@ def load(
             if section == "cluster" and "members" in table:
                 table = dict(table)
                 members = _cluster_members(table.pop("members"), path)
+            if section == "cluster" and "replicas" in table:
+                table = dict(table)
+                replicas = _cluster_members(table.pop("replicas"), path, "replica")
             for name, raw in table.items():
                 setting = by_key.get((section, name))
                 if setting is None:
@@ -121,6 +125,7 @@ def load(
         sections.setdefault(section, {})[name] = value
     sections["retention"]["rules"] = rules
     sections["cluster"]["members"] = members
+    sections["cluster"]["replicas"] = _replicas_of(replicas, members)
     cluster_secret = values[("cluster", "secret")]
     if cluster_secret and len(cluster_secret.encode()) < 32:
         raise ConfigError("cluster.secret: use at least 32 bytes (e.g. `openssl rand -base64 32`)")
@@ -130,17 +135,66 @@ def load(
             f"cluster.member {member!r} is not one of the [cluster] members "
             f"({', '.join(m for m, _ in members) or 'none listed'}): list every member in the TOML file"
         )
+    _check_replication(values, member)
     return SimpleNamespace(**{section: SimpleNamespace(**items) for section, items in sections.items()})
 
 
-def _cluster_members(raw: Any, path: Path) -> list[tuple[str, str]]:
-    """`members = [{id = "a", address = "127.0.0.1:7001"}, ...]` in `[cluster]`."""
+def _check_replication(values: dict[tuple[str, str], Any], member: str) -> None:
+    replicas = values[("replication", "replicas")]
+    if replicas == 1:
+        return
+    if replicas != 2:
+        raise ConfigError(f"replication.replicas: 1 or 2 (not {replicas}); more copies are not built yet")
+    missing = [
+        flag
+        for flag, key in (
+            ("--cluster-member", ("cluster", "member")),
+            ("--replica", ("replication", "replica")),
+            ("--replication-listen", ("replication", "listen")),
+            ("--etcd", ("replication", "etcd")),
+            ("--cluster-secret", ("cluster", "secret")),
+        )
+        if not values[key]
+    ]
+    if missing:
+        raise ConfigError(
+            f"--replicas 2 needs {', '.join(missing)} (`streamkeep cluster run --replicas 2` sets them all)"
+        )
+    if values[("storage", "mode")] != "disk":
+        raise ConfigError("--replicas 2 needs storage.mode disk: what is replicated is the data directory")
+    if values[("replication", "replica")] not in (f"{member}a", f"{member}b"):
+        raise ConfigError(f"--replica must be {member}a or {member}b (the member's two replicas)")
+
+
+def _replicas_of(
+    replicas: list[tuple[str, str]], members: list[tuple[str, str]]
+) -> dict[str, list[tuple[str, str]]]:
+    """`[cluster] replicas`, by member: both of a member's replicas (`<member>a`, `<member>b`), for
+    every member, or none at all (an unreplicated cluster)."""
+    if not replicas:
+        return {}
+    by_member: dict[str, list[tuple[str, str]]] = {}
+    for replica, address in replicas:
+        member = replica[:-1]
+        if replica[-1:] not in ("a", "b") or member not in [m for m, _ in members]:
+            raise ConfigError(
+                f"[cluster] replica {replica!r}: name a member's replica as <member>a or <member>b"
+            )
+        by_member.setdefault(member, []).append((replica, address))
+    missing = [m for m, _ in members if len(by_member.get(m, [])) != 2]
+    if missing:
+        raise ConfigError(f"[cluster] replicas: members {', '.join(missing)} need both replicas (a and b)")
+    return by_member
+
+
+def _cluster_members(raw: Any, path: Path, kind: str = "member") -> list[tuple[str, str]]:
+    """`members = [{id = "a", address = "127.0.0.1:7001"}, ...]` in `[cluster]` (or `replicas`)."""
     if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{path}: [cluster] members must be a list of {{id = ..., address = ...}} tables")
+        raise ConfigError(f"{path}: [cluster] {kind}s must be a list of {{id = ..., address = ...}} tables")
     members: list[tuple[str, str]] = []
     for number, entry in enumerate(raw, 1):
         if not isinstance(entry, dict) or set(entry) != {"id", "address"}:
-            raise ConfigError(f"{path}: [cluster] member number {number} needs exactly id and address")
+            raise ConfigError(f"{path}: [cluster] {kind} number {number} needs exactly id and address")
         member_id, address = str(entry["id"]), str(entry["address"])
         host, _, port_text = address.rpartition(":")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", member_id):

@@ -484,6 +484,59 @@ SETTINGS: tuple[Setting, ...] = (
         flag="--cluster-epoch",
     ),
     Setting(
+        "replication",
+        "replicas",
+        positive_int,
+        1,
+        "copies of each member's streams (1: one disk, as a single server; 2: every commit round is "
+        "durable on the owner and on a follower before it is acknowledged, and the follower takes "
+        "over when the owner's etcd lease expires; docs/scaling.md)",
+        flag="--replicas",
+    ),
+    Setting(
+        "replication",
+        "replica",
+        text,
+        "",
+        "with --replicas 2: which of the member's two replicas this process is, <member>a or "
+        "<member>b (a starts as the owner)",
+        flag="--replica",
+    ),
+    Setting(
+        "replication",
+        "listen",
+        text,
+        "",
+        "with --replicas 2: host:port this replica accepts its follower on while it owns the member "
+        "(the follower finds it in etcd)",
+        flag="--replication-listen",
+    ),
+    Setting(
+        "replication",
+        "etcd",
+        text,
+        "",
+        "with --replicas 2: the etcd cluster's client URLs, comma-separated (http://10.0.0.1:2379,...)",
+        flag="--etcd",
+    ),
+    Setting(
+        "replication",
+        "etcd_prefix",
+        text,
+        "/streamkeep",
+        "the key prefix of this cluster's records in etcd (one etcd may serve several clusters)",
+        flag="--etcd-prefix",
+    ),
+    Setting(
+        "replication",
+        "lease_ttl",
+        positive_int,
+        3,
+        "seconds a replica's etcd lease outlives its last renewal: an owner silent this long is "
+        "taken for dead and its follower promoted",
+        flag="--lease-ttl",
+    ),
+    Setting(
         "ui",
         "enabled",
         boolean,

@@ -22,6 +22,7 @@ from streamkeep.auth.tokens import Principal
 from streamkeep.protocol import offsets
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Request, Response
+from streamkeep.storage import files
 from streamkeep.subscriptions.api import ControlApi
 from streamkeep.subscriptions.delivery import Delivery
 from streamkeep.subscriptions.faults import Faults
@@ -47,11 +48,12 @@ class SubscriptionManager:
         allow_loopback_webhooks: bool,
         now: Callable[[], float] = time.time,
         view: KnownStreams | None = None,
+        fs: files.FileSystem = files.OS,
     ) -> None:
         self.supervisor = supervisor
         self.subs: dict[str, Subscription] = {}
         self.faults = Faults()
-        self.store = Store(state_dir, self.faults)
+        self.store = Store(state_dir, self.faults, fs)
         self.links = Links(supervisor.storage, view)
         self.remote: Remote | None = None
         self.delivery = Delivery(

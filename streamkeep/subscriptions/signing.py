@@ -55,18 +55,20 @@ class Keys:
     """The server's webhook signing key and token secret; persisted in `directory` when given, so
     `kid`s stay stable and tokens stay valid across restarts."""
 
-    def __init__(self, directory: Path | None, *, cluster_secret: str | None = None) -> None:
+    def __init__(
+        self, directory: Path | None, *, cluster_secret: str | None = None, fs: files.FileSystem = files.OS
+    ) -> None:
         if directory is None:
             self._secret = secrets.token_bytes(SECRET_BYTES)
         else:
-            files.makedirs(files.OS, directory)
-            self._secret = _load_or_create(directory, SECRET_FILE, _new_secret, _parse_secret)
+            files.makedirs(fs, directory)
+            self._secret = _load_or_create(fs, directory, SECRET_FILE, _new_secret, _parse_secret)
         if cluster_secret is not None:
             self._private = cluster_key(cluster_secret)
         elif directory is None:
             self._private = Ed25519PrivateKey.generate()
         else:
-            self._private = _load_or_create(directory, KEY_FILE, _new_key_pem, _parse_key)
+            self._private = _load_or_create(fs, directory, KEY_FILE, _new_key_pem, _parse_key)
         raw = self._private.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
@@ -123,20 +125,20 @@ def cluster_key(cluster_secret: str) -> Ed25519PrivateKey:
 
 
 def _load_or_create(
-    directory: Path, name: str, create: Callable[[], bytes], parse: Callable[[bytes], T]
+    fs: files.FileSystem, directory: Path, name: str, create: Callable[[], bytes], parse: Callable[[bytes], T]
 ) -> T:
     """The key in `directory/name`, created crash-safely (temp file, fsync, rename, fsync the
     directory) if missing. An empty file is what a crash during an older, unsafe first start
     left: nothing was ever signed with it, so it is made anew. Anything else that does not parse
     may have signed tokens or webhooks: that is for a person to decide, not the server."""
     path = directory / name
-    data = files.read_file(files.OS, path) if files.OS.exists(path) else None
+    data = files.read_file(fs, path) if fs.exists(path) else None
     if data == b"":
         log.warning("%s is empty (left by a crash while it was created); creating a new one", path)
         data = None
     if data is None:
         data = create()
-        files.replace(files.OS, directory, name, data, mode=0o600)
+        files.replace(fs, directory, name, data, mode=0o600)
     try:
         return parse(data)
     except ValueError as error:

@@ -37,6 +37,7 @@ class Sources:
     subscriptions: Any = None
     gate: Any = None
     retention: Any = None
+    replication: Any = None  # a replica's coordinator: describe() -> its /stats section
 
 
 def _histogram(name: str, documentation: str, labels: list[str]) -> HistogramMetricFamily:
@@ -63,6 +64,35 @@ class StreamkeepCollector:
         yield from self._subscriptions()
         yield from self._auth()
         yield from self._background()
+        yield from self._replication()
+
+    # ---- replication -------------------------------------------------------------------
+
+    def _replication(self) -> Iterator[Metric]:
+        source = self.sources.replication
+        if source is None:
+            return
+        stats = source.describe()
+        labels = ["member", "replica"]
+        values = [stats["member"], stats["replica"]]
+        for name, documentation, value in (
+            ("replication_epoch", "The member's ownership epoch this replica serves at", stats["epoch"]),
+            ("replication_follower_in_sync", "1 while the follower's copy is in sync (appends wait for it)",
+             int(stats["follower_in_sync"])),
+            ("replication_alone_seconds", "How long the owner has acknowledged appends without an in-sync "
+             "follower (alert on > 0)", stats["alone_seconds"]),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(PREFIX + name, documentation, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, documentation, value in (
+            ("replication_barriers", "Syncs sent to the follower", stats["barriers"]),
+            ("replication_barrier_wait_seconds", "Time syncs waited for the follower", stats["barrier_wait_seconds"]),
+            ("replication_promotions", "Times this replica was promoted to owner", stats["promotions"]),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(PREFIX + name, documentation, labels=labels)
+            counter.add_metric(values, value)
+            yield counter
 
     # ---- requests ----------------------------------------------------------------------
 

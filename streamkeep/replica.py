@@ -1,0 +1,477 @@
+"""One replica of a cluster member (`serve --replicas 2`): follows until it owns, then serves.
+
+A member's streams live on two replicas on two machines. The one etcd names as owner serves them
+(the whole server, built by `assemble` as usual) with its disk storage writing through the mirror
+(replication/mirror.py), and accepts its follower's connection; the other keeps a copy by applying
+the owner's channel (replication/follower.py) and does not listen for HTTP, so the front door's
+health checks send the member's requests to the owner only. The rules of who owns are in
+replication/roles.py; this module runs them:
+
+- follower: connect to the owner, empty the directory, apply the channel. When etcd says the copy
+  is in sync, write the marker. When the owner's lease is gone and the copy is in sync, promote
+  (one transaction), stop applying, and serve the copy.
+- owner: serve; mark the follower in sync once its copy is durable, alone when its channel breaks.
+  Fencing: when this process loses its lease, or etcd shows another owner or epoch, or a mark
+  finds itself deposed, it exits at once (status 75) without answering anything more; started
+  again (the supervisor does), it finds it is not the owner and rejoins as the follower, emptying
+  its directory first, so whatever it wrote that was never acknowledged is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+
+from streamkeep.assemble import Injected, serve
+from streamkeep.coordination.etcd import Etcd, EtcdError
+from streamkeep.replication import follower, wire
+from streamkeep.replication.mirror import Link, MirrorFileSystem
+from streamkeep.replication.roles import Coordinator, Deposed, Record, marker_for, read_marker, write_marker
+from streamkeep.storage import files
+
+log = logging.getLogger(__name__)
+
+FENCED_EXIT = 75  # EX_TEMPFAIL: started again, the process rejoins as a follower
+POLL = 0.25
+
+
+def fence(reason: str) -> None:
+    """Stops this process now: nothing more may be acknowledged as the owner."""
+    log.error("fenced: %s; exiting so that this replica rejoins as the follower", reason)
+    sys.stderr.flush()
+    os._exit(FENCED_EXIT)
+
+
+def proof(secret: str, *fields: str) -> str:
+    return hmac.new(secret.encode(), "\0".join(fields).encode(), hashlib.sha256).hexdigest()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@dataclass
+class ReplicaStats:
+    role: str = "starting"
+    epoch: int = 0
+    follower_in_sync: bool = False
+    alone_since: float | None = None
+    links: int = 0
+    copy: dict[str, Any] = field(default_factory=dict)
+
+
+class Replica:
+    def __init__(
+        self, settings: SimpleNamespace, etcd: Etcd, make_etcd: Callable[[], Etcd] | None = None
+    ) -> None:
+        self.settings = settings
+        options = settings.replication
+        self.data_dir = Path(settings.storage.data_dir)
+        self.member = settings.cluster.member
+        self.secret = settings.cluster.secret
+        self.replication_address = options.listen
+        self.coordinator = self._coordinator(etcd)
+        self.make_etcd = make_etcd
+        self.stats = ReplicaStats()
+        self.mirror: MirrorFileSystem | None = None
+        self._events: trio.MemorySendChannel[tuple[str, Link]] | None = None
+
+    def _coordinator(self, etcd: Etcd) -> Coordinator:
+        options = self.settings.replication
+        return Coordinator(
+            etcd,
+            prefix=options.etcd_prefix,
+            member=self.member,
+            replica=options.replica,
+            http_address=f"{self.settings.server.host}:{self.settings.server.port}",
+            replication_address=self.replication_address,
+            lease_ttl=options.lease_ttl,
+        )
+
+    # ---- the process ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        coordinator = self.coordinator
+        await coordinator.register()
+        async with trio.open_nursery() as nursery:
+            if self.make_etcd is None:
+                nursery.start_soon(self._lease_watch, coordinator)
+            else:
+                # The lease is renewed on a thread and event loop of its own: a busy or blocked
+                # loop here (a promotion building the whole server, a long recovery) must not let
+                # the lease lapse and fence a healthy owner.
+                threading.Thread(
+                    target=trio.run, args=(self._lease_thread,), name="etcd-lease", daemon=True
+                ).start()
+            record = await self._follow_until_owner()
+            await self._own(record, nursery)  # returns when the server stopped (SIGTERM)
+            nursery.cancel_scope.cancel()
+        # A planned stop: the follower need not wait out the lease to take over.
+        with trio.move_on_after(2) as scope:
+            scope.shield = True
+            try:
+                await coordinator.etcd.revoke(coordinator.lease)
+            except EtcdError as error:
+                log.warning("could not give up this replica's etcd lease: %s", error)
+
+    async def _lease_thread(self) -> None:
+        assert self.make_etcd is not None
+        async with self.make_etcd() as etcd:
+            keeper = self._coordinator(etcd)
+            keeper.lease = self.coordinator.lease
+            keeper.lease_renewed = trio.current_time()
+            await self._lease_watch(keeper)
+
+    async def _lease_watch(self, keeper: Coordinator) -> None:
+        while True:
+            why = await keeper.keep_lease()
+            if self.stats.role == "owner":
+                if why == "expired":
+                    fence("this replica's etcd lease expired: the follower may be promoted")
+                # etcd out of reach. Safety does not need a fence here (no sync returns without the
+                # follower's acknowledgement or etcd's record that the owner runs alone), but a
+                # process that can neither reach its follower nor etcd can acknowledge nothing:
+                # exiting stops the front door from sending it requests that would only hang.
+                mirror = self.mirror
+                link = None if mirror is None else mirror.link
+                if link is None or link.broken is not None:
+                    fence("etcd and the follower are both out of reach")
+                log.error(
+                    "member %s: etcd is out of reach; serving on with the follower in sync", self.member
+                )
+            # A lease lost by a follower, or by an owner still in touch with its follower, is
+            # taken again: a promotion is one transaction, decided by the record, not the lease.
+            while True:
+                try:
+                    await keeper.register()
+                    self.coordinator.lease = keeper.lease  # what a planned stop revokes
+                    break
+                except EtcdError as error:
+                    log.warning("cannot renew this replica's etcd registration: %s", error)
+                    await trio.sleep(1)
+
+    # ---- follower ------------------------------------------------------------------------------
+
+    async def _follow_until_owner(self) -> Record:
+        coordinator = self.coordinator
+        said: set[str] = set()
+
+        def once(key: str, message: str, *args: object) -> None:
+            if key not in said:
+                said.add(key)
+                log.warning(message, *args)
+
+        while True:
+            record = await coordinator.record()
+            marker = read_marker(self.data_dir)
+            if record.owner == coordinator.replica:
+                if marker is not None and marker.get("member") == self.member:
+                    return record
+                if record.in_sync and await coordinator.alive(record.follower) is not None:
+                    await coordinator.hand_over(record)
+                    continue
+                if not record.served:
+                    # The member's first owner: a new directory, or one from before replication.
+                    write_marker(self.data_dir, marker_for(self.member, record.epoch))
+                    return record
+                once(
+                    "no-copy",
+                    "member %s: etcd names this replica the owner, but %s holds no copy of it and "
+                    "%s has no in-sync copy; restore it with `streamkeep restore --from-bucket` "
+                    "(docs/scaling.md) or bring %s back",
+                    self.member,
+                    self.data_dir,
+                    record.follower,
+                    record.follower,
+                )
+                await trio.sleep(1)
+                continue
+            owner = await coordinator.alive(record.owner)
+            if owner is None:
+                if self._may_promote(record, marker):
+                    await coordinator.promote(record)
+                else:
+                    once(
+                        f"stale-{record.epoch}",
+                        "member %s: owner %s is down and this replica's copy is not in sync; "
+                        "waiting for %s to come back",
+                        self.member,
+                        record.owner,
+                        record.owner,
+                    )
+                    await trio.sleep(POLL)
+                continue
+            await self._follow(record, owner["replication"])
+
+    def _may_promote(self, record: Record, marker: dict[str, Any] | None) -> bool:
+        return (
+            record.in_sync
+            and record.follower == self.coordinator.replica
+            and marker is not None
+            and marker.get("member") == self.member
+            and bool(record.session)
+            and marker.get("session") == record.session
+        )
+
+    async def _follow(self, record: Record, address: str) -> None:
+        """One session of following `record.owner`: returns when it ends (the owner went away, or
+        etcd says this replica should own)."""
+        coordinator = self.coordinator
+        session = secrets.token_hex(8)
+        self.stats.role = "follower"
+        self.stats.epoch = record.epoch
+        try:
+            sock = await trio.to_thread.run_sync(self._connect, address, session, record.epoch)
+        except (OSError, wire.ProtocolError) as error:
+            log.info("member %s: cannot follow %s at %s yet: %s", self.member, record.owner, address, error)
+            await trio.sleep(POLL * 2)
+            return
+        copy = follower.Copy(self.data_dir)
+        finished = trio.Event()
+        outcome: list[BaseException] = []
+
+        token = trio.lowlevel.current_trio_token()
+
+        def apply() -> None:
+            try:
+                copy.wipe()
+                follower.follow(sock, copy)
+            except BaseException as error:
+                outcome.append(error)  # how the session ended, said below
+            finally:
+                token.run_sync_soon(finished.set)
+
+        threading.Thread(target=apply, name="replication-follow", daemon=True).start()
+        log.info(
+            "member %s: following %s at epoch %d (session %s)",
+            self.member,
+            record.owner,
+            record.epoch,
+            session,
+        )
+        marked = False
+        try:
+            while not finished.is_set():
+                with trio.move_on_after(POLL):
+                    await finished.wait()
+                try:
+                    now = await coordinator.record()
+                    owner_alive = await coordinator.alive(now.owner) is not None
+                except EtcdError as error:
+                    log.warning("etcd: %s", error)
+                    continue
+                if now.in_sync and now.session == session and now.epoch == record.epoch and not marked:
+                    write_marker(self.data_dir, marker_for(self.member, now.epoch, session))
+                    marked = True
+                if now.owner != record.owner or now.epoch != record.epoch or not owner_alive:
+                    break
+        finally:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+            await finished.wait()
+        if outcome:
+            log.info("member %s: following %s ended: %s", self.member, record.owner, outcome[0])
+
+    def _connect(self, address: str, session: str, epoch: int) -> socket.socket:
+        source = source_address(self.settings)
+        sock = socket.create_connection(
+            split_address(address), timeout=2, source_address=None if source is None else (source, 0)
+        )
+        try:
+            replica = self.coordinator.replica
+            sock.sendall(
+                wire.hello(
+                    {
+                        "member": self.member,
+                        "replica": replica,
+                        "session": session,
+                        "epoch": epoch,
+                        "proof": proof(self.secret, self.member, replica, session),
+                    }
+                )
+            )
+            answer = wire.read_line(sock.recv)
+            if not answer.get("ok"):
+                raise wire.ProtocolError(str(answer.get("error", "refused")))
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    # ---- owner ---------------------------------------------------------------------------------
+
+    async def _own(self, record: Record, nursery: trio.Nursery) -> None:
+        coordinator = self.coordinator
+        epoch = record.epoch
+        marker = read_marker(self.data_dir) or {}
+        write_marker(
+            self.data_dir, {**marker, **marker_for(self.member, epoch, str(marker.get("session", "")))}
+        )
+        self.stats.role = "owner"
+        self.stats.epoch = epoch
+        self.stats.alone_since = trio.current_time()
+        send, receive = trio.open_memory_channel[tuple[str, Link]](64)
+        token = trio.lowlevel.current_trio_token()
+
+        def report(kind: str) -> Callable[[Link], None]:
+            return lambda link: token.run_sync_soon(send.send_nowait, (kind, link))
+
+        mirror = MirrorFileSystem(
+            files.OS, self.data_dir, on_broken=report("broken"), on_in_sync=report("in_sync")
+        )
+        self.mirror = mirror
+        try:
+            await coordinator.mark_served(epoch)
+            if record.in_sync:  # the follower's copy predates this process: it reconnects and copies again
+                await coordinator.mark(epoch, in_sync=False)
+        except Deposed as deposed:
+            fence(str(deposed))
+        listener = socket.create_server(split_address(self.replication_address), reuse_port=False)
+        threading.Thread(target=self._accept, args=(listener, mirror, epoch), daemon=True).start()
+        nursery.start_soon(self._owner_events, receive, epoch)
+        nursery.start_soon(self._owner_watch, epoch)
+        log.info("member %s: replica %s owns it at epoch %d", self.member, coordinator.replica, epoch)
+        await serve(self.settings, Injected(fs=mirror, replication=self))
+
+    def _accept(self, listener: socket.socket, mirror: MirrorFileSystem, epoch: int) -> None:
+        while True:
+            try:
+                sock, peer = listener.accept()
+            except OSError as failure:  # out of descriptors, say: the follower tries again
+                log.error("replication: accepting a follower failed: %s", failure)
+                time.sleep(1)
+                continue
+            try:
+                sock.settimeout(5)
+                hello = wire.read_line(sock.recv)
+                refusal = self._admit(hello)
+                sock.sendall(
+                    wire.hello({"ok": True, "epoch": epoch} if refusal is None else {"error": refusal})
+                )
+                if refusal is not None:
+                    sock.close()
+                    continue
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                mirror.attach(sock, str(hello["replica"]), session=str(hello["session"]))
+                self.stats.links += 1
+            except (OSError, wire.ProtocolError) as problem:
+                log.warning("replication: a connection from %s failed its handshake: %s", peer, problem)
+                sock.close()
+
+    def _admit(self, hello: dict[str, Any]) -> str | None:
+        coordinator = self.coordinator
+        if hello.get("member") != self.member or hello.get("replica") != coordinator.other:
+            return f"this is member {self.member}'s owner; its follower is {coordinator.other}"
+        expected = proof(self.secret, self.member, coordinator.other, str(hello.get("session", "")))
+        if not hmac.compare_digest(expected, str(hello.get("proof", ""))):
+            return "the cluster secret does not match"
+        return None
+
+    async def _owner_events(self, receive: trio.MemoryReceiveChannel[tuple[str, Link]], epoch: int) -> None:
+        coordinator = self.coordinator
+        async for kind, link in receive:
+            session = link.session
+            while True:
+                try:
+                    if kind == "in_sync":
+                        if link.broken is None:
+                            await coordinator.mark(epoch, in_sync=True, session=session)
+                            self.stats.follower_in_sync = True
+                            self.stats.alone_since = None
+                            self.stats.copy = {
+                                "bytes": link.stats.copied_bytes,
+                                "seconds": round(link.stats.copy_seconds, 3),
+                            }
+                    else:
+                        await coordinator.mark(epoch, in_sync=False)
+                        if self.stats.follower_in_sync:
+                            log.error(
+                                "member %s: follower %s is gone; acknowledging alone", self.member, link.peer
+                            )
+                        self.stats.follower_in_sync = False
+                        self.stats.alone_since = self.stats.alone_since or trio.current_time()
+                        if self.mirror is not None:
+                            self.mirror.release(link)
+                    break
+                except Deposed as deposed:
+                    fence(str(deposed))
+                except EtcdError as error:
+                    log.warning("etcd: %s; trying again", error)
+                    await trio.sleep(0.2)
+
+    async def _owner_watch(self, epoch: int) -> None:
+        """Another owner in etcd (this process was paused or cut off past its lease) ends this one."""
+        coordinator = self.coordinator
+        while True:
+            await trio.sleep(POLL)
+            try:
+                record = await coordinator.record()
+            except EtcdError:
+                continue  # the lease watch fences if this lasts longer than the lease
+            if record.owner != coordinator.replica or record.epoch != epoch:
+                fence(f"member {self.member} is owned by {record.owner} at epoch {record.epoch}")
+
+    def describe(self) -> dict[str, Any]:
+        mirror = self.mirror
+        link = None if mirror is None else mirror.link
+        alone = self.stats.alone_since
+        return {
+            "member": self.member,
+            "replica": self.coordinator.replica,
+            "address": self.coordinator.http_address,
+            "role": self.stats.role,
+            "epoch": self.stats.epoch,
+            "follower": self.coordinator.other,
+            "follower_connected": link is not None and link.broken is None,
+            "follower_in_sync": self.stats.follower_in_sync,
+            "alone_seconds": 0.0 if alone is None else round(trio.current_time() - alone, 1),
+            "follower_links": self.stats.links,
+            "last_copy": self.stats.copy,
+            "barriers": 0 if link is None else link.stats.barriers,
+            "barrier_waits": 0 if link is None else link.stats.waits,
+            "barrier_wait_seconds": 0.0 if link is None else round(link.stats.wait_seconds, 3),
+            "promotions": self.coordinator.promotions,
+        }
+
+
+def source_address(settings: SimpleNamespace) -> str | None:
+    """The address this replica's own connections leave from: its listening address when that is
+    one address (so a machine's traffic can be cut as a whole, as the partition tests do)."""
+    host = settings.server.host
+    return None if host in ("", "0.0.0.0", "::", "localhost") else host
+
+
+async def run_replica(settings: SimpleNamespace) -> None:
+    options = settings.replication
+    endpoints = [e.strip() for e in options.etcd.split(",") if e.strip()]
+
+    def make_etcd() -> Etcd:
+        return Etcd(endpoints, local_address=source_address(settings))
+
+    async with make_etcd() as etcd:
+        await Replica(settings, etcd, make_etcd).run()
+
+
+def run(settings: SimpleNamespace) -> None:
+    trio.run(run_replica, settings)
