@@ -75,7 +75,7 @@ def v1_world(tmp_path: Path, moto: Moto) -> Path:
 
 
 def keys(moto: Moto) -> list[str]:
-    return moto.keys("archive")
+    return moto.keys("archive", "prod/streams/")  # the segments (descriptions live under prod/meta/)
 
 
 def store(moto: Moto) -> S3Store:

@@ -5,6 +5,8 @@ uploaded from a descriptor opened under the stream's I/O lock (so a delete or re
 swap the file underneath), verified with HEAD (size and the SHA-256 stored as object metadata),
 recorded in the manifest after its index sidecar, and only then is the local copy deleted. A crash
 before the manifest write re-uploads the same key; after it, recovery finds the manifest entry.
+The sidecar goes to the bucket too, and each stream's description (describe.py) whenever it
+changes, so the bucket alone can rebuild the data directory (`streamkeep restore --from-bucket`).
 Object keys carry the stream's incarnation, so nothing done for a deleted stream can touch the
 objects of a stream created later under the same name.
 
@@ -26,11 +28,17 @@ import trio
 
 from streamkeep.background import Backoff
 from streamkeep.health import Health
+from streamkeep.segments.floor import FLOOR_FILE
+from streamkeep.segments.manifest import encode_index
+from streamkeep.storage import files
+from streamkeep.storage.cold import describe
 from streamkeep.storage.cold.bookkeeping import drop_local, open_sealed, record_upload
-from streamkeep.storage.cold.store import ColdConfig, FdReader, ObjectStore, digest
+from streamkeep.storage.cold.store import ColdConfig, FdReader, ObjectStore, digest, put_bytes, read_whole
 from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log import DiskLog
+from streamkeep.storage.disk.meta import encode_meta
 from streamkeep.storage.disk.storage import DiskStorage
+from streamkeep.storage.files import FileSystem
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,9 @@ PASS_INTERVAL = 1.0
 MAX_BACKOFF = 60.0
 # A failed step backs its stream off (the count is per stream), as failed deletes back off all deletes.
 STEP_RETRY = Backoff(1.0, MAX_BACKOFF)
+# Descriptions written per pass at most: after a start every stream's is written once, and that must
+# not hold back the next pass's uploads for long.
+DESCRIBE_BATCH = 256
 
 
 class RangeCache:
@@ -89,6 +100,9 @@ class Archiver:
         self._delete_failures = 0
         self._delete_retry_at = 0.0
         self._wake = trio.Event()
+        # Each stream's description as last written (its key -> what it said), and the keys of the
+        # streams gone since, to delete (describe.py).
+        self._described: dict[str, tuple] = {}
         self.health = Health()
 
     async def io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -116,8 +130,13 @@ class Archiver:
         return data
 
     def forget(self, pending: Path | None, keys: list[str]) -> None:
-        self._doomed.append((pending, list(keys)))
+        # `pending` is a deleted stream's list: its description goes too. Without one (retention
+        # dropping segments, an upload that lost its stream), only the segments' sidecars.
+        self._doomed.append((pending, self._with_companions(keys, stream_gone=pending is not None)))
         self._wake.set()
+
+    def _with_companions(self, keys: list[str], *, stream_gone: bool) -> list[str]:
+        return [*keys, *describe.companions(self.config.prefix, keys, stream_gone=stream_gone)]
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -129,7 +148,10 @@ class Archiver:
                 "cold tier bucket", f"{error}; segments stay local and uploads will be retried"
             )
         try:
-            self._doomed.extend(await self.storage.run_io(self.storage.pending_object_deletes))
+            pending = await self.storage.run_io(self.storage.pending_object_deletes)
+            self._doomed.extend(
+                (path, self._with_companions(keys, stream_gone=True)) for path, keys in pending
+            )
         except OSError as error:
             self.health.failed("cold tier deletes", f"cannot read the objects left to delete: {error}")
         delay = PASS_INTERVAL
@@ -169,6 +191,7 @@ class Archiver:
                     await self._guarded(stream_log, "upload", self.archive, stream_log, segment)
                 elif segment.local and not self.config.keep_local:
                     await self._guarded(stream_log, "local drop", drop_local, stream_log, segment)
+        await self._describe()
         await self._delete_doomed()
 
     def _backing_off(self, stream_log: DiskLog) -> bool:
@@ -200,11 +223,16 @@ class Archiver:
         fd = await open_sealed(stream_log, segment)
         if fd is None:
             return
-        key = self.config.key(stream_log.directory.name, stream_log.meta.stream_id, segment.path.name)
+        stream_dir, stream_id = stream_log.directory.name, stream_log.meta.stream_id
+        key = self.config.key(stream_dir, stream_id, segment.path.name)
+        index_key = describe.index_object_key(self.config.prefix, stream_dir, stream_id, segment.path.name)
         try:
             size, sha256 = await self.io(digest, fs, fd)
             reader = FdReader(fs, fd, size, wanted=lambda: not stream_log.deleted)
             await self.io(self.store.upload, reader, key, size, sha256)
+            # Its sidecar, kept locally as well: the bucket alone then holds what recovery reads.
+            index = await self.io(_index_of, fs, fd, size, segment.path.name)
+            await self.io(put_bytes, self.store, index_key, index)
         except Exception:
             if not stream_log.deleted:
                 raise
@@ -219,7 +247,7 @@ class Archiver:
             "sha256": sha256,
             "key": key,
         }
-        if not await record_upload(stream_log, segment, entry):
+        if not await record_upload(stream_log, segment, entry, index):
             self.forget(None, [key])  # the stream was deleted while its segment was uploading
             return
         self.uploaded += 1
@@ -227,6 +255,57 @@ class Archiver:
         log.info("cold tier: %s/%s uploaded (%d bytes)", stream_log.meta.name, segment.path.name, size)
         if not self.config.keep_local:
             await drop_local(stream_log, segment)
+
+    # ---- descriptions (describe.py) -----------------------------------------------------------
+
+    async def _describe(self) -> None:
+        """Writes the description of every stream whose description changed (a few hundred per
+        pass), and deletes those of streams gone since."""
+        live: set[str] = set()
+        stale: list[tuple[DiskLog, str, tuple]] = []
+        for number, stream_log in enumerate(self.storage.logs(), 1):
+            if number % 5000 == 0:
+                await trio.lowlevel.checkpoint()  # a microsecond or two a stream: let requests in between
+            if stream_log.deleted:
+                continue
+            key = describe.stream_object_key(
+                self.config.prefix, stream_log.directory.name, stream_log.meta.stream_id
+            )
+            live.add(key)
+            mark = _fingerprint(stream_log)
+            if self._described.get(key) != mark and not self._backing_off(stream_log):
+                stale.append((stream_log, key, mark))
+        gone = [key for key in self._described if key not in live]
+        for key in gone:
+            del self._described[key]
+        if gone:
+            self._doomed.append((None, gone))
+        if not stale:
+            return
+
+        async def one(stream_log: DiskLog, key: str, mark: tuple, nursery: trio.Nursery) -> None:
+            await self._guarded(stream_log, "description", self._write_description, stream_log, key, mark)
+            if stream_log.meta.name in self._failures:
+                nursery.cancel_scope.cancel()  # the bucket is likely down: the rest waits for a later pass
+
+        async with trio.open_nursery() as nursery:
+            for stream_log, key, mark in stale[:DESCRIBE_BATCH]:
+                nursery.start_soon(one, stream_log, key, mark, nursery)
+
+    async def _write_description(self, stream_log: DiskLog, key: str, mark: tuple) -> None:
+        fs = self.storage.fs
+        async with stream_log.exclusive():  # floor.cbor and the manifest as one state
+            if stream_log.deleted:
+                return
+            floor = await self.storage.run_io(_read_if_there, fs, stream_log.directory / FLOOR_FILE)
+            description = describe.StreamObject(
+                meta=encode_meta(stream_log.meta),
+                floor=floor,
+                segments=list(stream_log.cold_entries),
+                close=mark[-1],
+            )
+        await self.io(put_bytes, self.store, key, description.encode())
+        self._described[key] = mark  # deleted meanwhile: the next pass finds it gone and deletes it
 
     async def _delete_doomed(self) -> None:
         if not self._doomed or trio.current_time() < self._delete_retry_at:
@@ -264,6 +343,55 @@ class Archiver:
             "backlog_bytes": self.backlog_bytes,
             "uploaded_segments": self.uploaded,
             "objects_to_delete": sum(len(keys) for _, keys in self._doomed),
+            "described_streams": len(self._described),
             "streams_backing_off": sorted(n for n, t in self._retry_at.items() if t > trio.current_time()),
             **self.health.stats(),
         }
+
+
+def _index_of(fs: FileSystem, fd: int, size: int, name: str) -> bytes:
+    return encode_index(read_whole(fs, fd, size), name)
+
+
+def _read_if_there(fs: FileSystem, path: Path) -> bytes | None:
+    return files.read_file(fs, path) if fs.exists(path) else None
+
+
+def _fingerprint(stream_log: DiskLog) -> tuple:
+    """What a stream's description says, in short: when it changes, the description is written."""
+    meta = stream_log.meta
+    entries = stream_log.cold_entries
+    return (
+        len(entries),
+        entries[0]["key"] if entries else None,
+        entries[-1]["key"] if entries else None,
+        stream_log.floor,
+        meta.soft_deleted,
+        meta.remote_forks,
+        meta.fork_low,
+        meta.source_incarnations,
+        _close_after_uploads(stream_log),  # last: _write_description takes it from here
+    )
+
+
+def _close_after_uploads(stream_log: DiskLog) -> describe.Close | None:
+    """The stream's close, when nothing but it follows the last uploaded byte: it sits in a segment
+    with no bytes, which is never sealed, so only the description can carry it to the bucket."""
+    if not stream_log.published_closed or not stream_log.segments:
+        return None
+    segments = stream_log.segments
+    uploaded = [i for i, segment in enumerate(segments) if segment.cold_key is not None]
+    if not uploaded:
+        end = segments[0].start
+    elif uploaded[-1] + 1 < len(segments):
+        end = segments[uploaded[-1] + 1].start
+    else:
+        return None
+    if stream_log.published_tail != end:
+        return None
+    closed_by = stream_log.meta.closed_by
+    return describe.Close(
+        end,
+        None if closed_by is None else (closed_by.producer_id, closed_by.epoch, closed_by.seq),
+        stream_log.active_segment.last_ms or 0,
+    )

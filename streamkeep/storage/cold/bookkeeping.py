@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from streamkeep.segments.manifest import INDEX_SUFFIX
 from streamkeep.storage import files
 from streamkeep.storage.disk import manifest
 from streamkeep.storage.disk.index import Segment
@@ -24,8 +25,11 @@ async def open_sealed(stream_log: DiskLog, segment: Segment) -> int | None:
         return await stream_log.host.run_io(stream_log.host.fs.open, segment.path, os.O_RDONLY)
 
 
-async def record_upload(stream_log: DiskLog, segment: Segment, entry: dict) -> bool:
-    """Notes an uploaded, verified segment in the manifest (after writing its index sidecar).
+async def record_upload(
+    stream_log: DiskLog, segment: Segment, entry: dict, index: bytes | None = None
+) -> bool:
+    """Notes an uploaded, verified segment in the manifest (after writing its index sidecar, the
+    `index` bytes the archiver also uploaded, or made from the segment file when not given).
     False if the stream was deleted or the segment retained away meanwhile (the object is then
     an orphan to delete)."""
     async with stream_log.exclusive():
@@ -33,7 +37,7 @@ async def record_upload(stream_log: DiskLog, segment: Segment, entry: dict) -> b
             return False
         entries = [*stream_log.cold_entries, entry]
         fs = stream_log.host.fs
-        await stream_log.host.run_io(_record_upload, fs, segment.path, stream_log.directory, entries)
+        await stream_log.host.run_io(_record_upload, fs, segment.path, stream_log.directory, entries, index)
         stream_log.cold_entries = entries
         segment.cold_key = entry["key"]
         return True
@@ -48,7 +52,12 @@ async def drop_local(stream_log: DiskLog, segment: Segment) -> None:
         await stream_log.host.run_io(files.unlink_quietly, stream_log.host.fs, segment.path)
 
 
-def _record_upload(fs: FileSystem, segment_path: Path, directory: Path, entries: list[dict]) -> None:
+def _record_upload(
+    fs: FileSystem, segment_path: Path, directory: Path, entries: list[dict], index: bytes | None
+) -> None:
     """Index sidecar first, then the manifest: a manifest entry always has its sidecar."""
-    manifest.write_index(fs, segment_path)
+    if index is None:
+        manifest.write_index(fs, segment_path)
+    else:
+        files.replace(fs, directory, segment_path.name + INDEX_SUFFIX, index)
     manifest.save_manifest(fs, directory, entries)

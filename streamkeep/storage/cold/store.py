@@ -250,3 +250,33 @@ def digest(fs: FileSystem, fd: int) -> tuple[int, str]:
         sha.update(block)
         at += len(block)
     return size, sha.hexdigest()
+
+
+def read_whole(fs: FileSystem, fd: int, size: int) -> bytes:
+    """The first `size` bytes of a file, read through its descriptor."""
+    parts = []
+    at = 0
+    while at < size:
+        block = fs.pread(fd, min(8 << 20, size - at), at)
+        if not block:
+            raise OSError(f"file shrank while reading it ({at} of {size} bytes)")
+        parts.append(block)
+        at += len(block)
+    return b"".join(parts)
+
+
+def put_bytes(store: ObjectStore, key: str, data: bytes) -> None:
+    """A small object from memory (a description or an index sidecar), verified like any upload."""
+    store.upload(io.BytesIO(data), key, len(data), hashlib.sha256(data).hexdigest())
+
+
+def get_whole(store: ObjectStore, key: str) -> bytes | None:
+    """A small object's bytes, or None if there is none."""
+    found = store.head(key)
+    if found is None:
+        return None
+    size, sha256 = found
+    data = store.get_range(key, 0, size) if size else b""
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise OSError(f"object {key} does not match its sha256 metadata")
+    return data
