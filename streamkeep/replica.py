@@ -45,7 +45,11 @@ from streamkeep.storage import files
 
 log = logging.getLogger(__name__)
 
-FENCED_EXIT = 75  # EX_TEMPFAIL: started again, the process rejoins as a follower
+FENCED_EXIT = 75
+# Renewals are cut short after this long (then the next endpoint is tried), and an owner stops this
+# long before etcd could expire its lease at the earliest.
+LEASE_CALL_TIMEOUT = 1.0
+LEASE_MARGIN = 0.5  # EX_TEMPFAIL: started again, the process rejoins as a follower
 POLL = 0.25
 
 
@@ -76,9 +80,7 @@ class ReplicaStats:
 
 
 class Replica:
-    def __init__(
-        self, settings: SimpleNamespace, etcd: Etcd, make_etcd: Callable[[], Etcd] | None = None
-    ) -> None:
+    def __init__(self, settings: SimpleNamespace, etcd: Etcd, make_etcd: Callable[..., Etcd]) -> None:
         self.settings = settings
         options = settings.replication
         self.data_dir = Path(settings.storage.data_dir)
@@ -109,15 +111,11 @@ class Replica:
         coordinator = self.coordinator
         await coordinator.register()
         async with trio.open_nursery() as nursery:
-            if self.make_etcd is None:
-                nursery.start_soon(self._lease_watch, coordinator)
-            else:
-                # The lease is renewed on a thread and event loop of its own: a busy or blocked
-                # loop here (a promotion building the whole server, a long recovery) must not let
-                # the lease lapse and fence a healthy owner.
-                threading.Thread(
-                    target=trio.run, args=(self._lease_thread,), name="etcd-lease", daemon=True
-                ).start()
+            # The lease is renewed on a thread and event loop of its own: a busy or blocked loop
+            # here (a promotion building the whole server, a long recovery) must not let it lapse.
+            threading.Thread(
+                target=trio.run, args=(self._lease_thread,), name="etcd-lease", daemon=True
+            ).start()
             record = await self._follow_until_owner()
             await self._own(record, nursery)  # returns when the server stopped (SIGTERM)
             nursery.cancel_scope.cancel()
@@ -130,40 +128,34 @@ class Replica:
                 log.warning("could not give up this replica's etcd lease: %s", error)
 
     async def _lease_thread(self) -> None:
-        assert self.make_etcd is not None
-        async with self.make_etcd() as etcd:
+        async with self.make_etcd(timeout=LEASE_CALL_TIMEOUT) as etcd:
             keeper = self._coordinator(etcd)
             keeper.lease = self.coordinator.lease
-            keeper.lease_renewed = trio.current_time()
-            await self._lease_watch(keeper)
+            keeper.valid_until = trio.current_time() + keeper.lease_ttl - LEASE_MARGIN
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._lease_deadline, keeper)
+                while True:
+                    await keeper.keep_lease()  # returns when etcd says the lease is gone
+                    if self.stats.role == "owner":
+                        fence("this replica's etcd lease expired: the follower may be promoted")
+                    # A follower takes a new one: promotion is decided by the record, not the lease.
+                    while True:
+                        try:
+                            await keeper.register()
+                            self.coordinator.lease = keeper.lease  # what a planned stop revokes
+                            break
+                        except EtcdError as error:
+                            log.warning("cannot renew this replica's etcd registration: %s", error)
+                            await trio.sleep(1)
 
-    async def _lease_watch(self, keeper: Coordinator) -> None:
+    async def _lease_deadline(self, keeper: Coordinator) -> None:
+        """An owner answers nothing once etcd may have let its lease expire (the follower may be
+        promoted from then on): classic lease fencing, on this process's own clock, with a margin.
+        Stale reads from a cut-off owner stop before the new owner can serve."""
         while True:
-            why = await keeper.keep_lease()
-            if self.stats.role == "owner":
-                if why == "expired":
-                    fence("this replica's etcd lease expired: the follower may be promoted")
-                # etcd out of reach. Safety does not need a fence here (no sync returns without the
-                # follower's acknowledgement or etcd's record that the owner runs alone), but a
-                # process that can neither reach its follower nor etcd can acknowledge nothing:
-                # exiting stops the front door from sending it requests that would only hang.
-                mirror = self.mirror
-                link = None if mirror is None else mirror.link
-                if link is None or link.broken is not None:
-                    fence("etcd and the follower are both out of reach")
-                log.error(
-                    "member %s: etcd is out of reach; serving on with the follower in sync", self.member
-                )
-            # A lease lost by a follower, or by an owner still in touch with its follower, is
-            # taken again: a promotion is one transaction, decided by the record, not the lease.
-            while True:
-                try:
-                    await keeper.register()
-                    self.coordinator.lease = keeper.lease  # what a planned stop revokes
-                    break
-                except EtcdError as error:
-                    log.warning("cannot renew this replica's etcd registration: %s", error)
-                    await trio.sleep(1)
+            await trio.sleep(0.1)
+            if self.stats.role == "owner" and trio.current_time() > keeper.valid_until - LEASE_MARGIN:
+                fence("this replica's etcd lease was not renewed in time (etcd out of reach)")
 
     # ---- follower ------------------------------------------------------------------------------
 
@@ -466,8 +458,8 @@ async def run_replica(settings: SimpleNamespace) -> None:
     options = settings.replication
     endpoints = [e.strip() for e in options.etcd.split(",") if e.strip()]
 
-    def make_etcd() -> Etcd:
-        return Etcd(endpoints, local_address=source_address(settings))
+    def make_etcd(timeout: float = 2.0) -> Etcd:
+        return Etcd(endpoints, timeout=timeout, local_address=source_address(settings))
 
     async with make_etcd() as etcd:
         await Replica(settings, etcd, make_etcd).run()

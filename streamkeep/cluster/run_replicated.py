@@ -94,12 +94,17 @@ def spawn(replica: ReplicaProcess, env: dict[str, str]) -> None:
     threading.Thread(target=relay, args=(replica.replica, replica.process), daemon=True).start()
 
 
-def owner_up(replicas: list[ReplicaProcess], seconds: float = 60) -> None:
-    """Waits until one replica of the member answers /healthz (the owner; followers do not listen)."""
+def owner_up(
+    replicas: list[ReplicaProcess], every: list[ReplicaProcess], env: dict[str, str], seconds: float = 60
+) -> None:
+    """Waits until one replica of the member answers /healthz (the owner; followers do not listen),
+    starting again any replica that exits meanwhile (a fenced one, say)."""
     import urllib.request
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        for replica in every:
+            supervise(replica, env, time.monotonic())
         for replica in replicas:
             try:
                 with urllib.request.urlopen(f"http://{replica.http}/healthz", timeout=1) as answer:
@@ -107,8 +112,6 @@ def owner_up(replicas: list[ReplicaProcess], seconds: float = 60) -> None:
                         return
             except OSError:
                 pass
-        if all(r.process is not None and r.process.poll() is not None for r in replicas):
-            raise ClusterError(f"both replicas of member {replicas[0].member} exited; see their output above")
         time.sleep(0.1)
     raise ClusterError(f"no replica of member {replicas[0].member} served within {seconds:g} s")
 
@@ -208,7 +211,7 @@ def run_replicated(
         for replica in every:
             spawn(replica, env)
         for member in members:
-            owner_up(replicas[member.id])
+            owner_up(replicas[member.id], every, env)
         checked = subprocess.run([found, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
         if checked.returncode != 0:
             raise ClusterError(f"haproxy refused {config}: {checked.stdout}{checked.stderr}".strip())

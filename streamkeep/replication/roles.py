@@ -62,7 +62,8 @@ class Record:
             follower=str(fields["follower"]),
             in_sync=bool(fields.get("in_sync", False)),
             session=str(fields.get("session", "")),
-            served=bool(fields.get("served", False)),
+            # Written before `served` existed: any sign of a follower or a failover means served.
+            served=bool(fields.get("served", int(fields["epoch"]) > 1 or bool(fields.get("session")))),
             revision=revision,
         )
 
@@ -116,7 +117,7 @@ class Coordinator:
         self.replication_address = replication_address
         self.lease_ttl = lease_ttl
         self.lease = 0
-        self.lease_renewed = 0.0  # trio.current_time() of the last renewal etcd confirmed
+        self.valid_until = 0.0  # trio.current_time() before which etcd cannot expire the lease
         self.promotions = 0
         self.transactions_lost = 0
 
@@ -131,36 +132,32 @@ class Coordinator:
 
     async def register(self) -> None:
         """A fresh lease and this replica's key on it (replacing a dead process's)."""
-        self.lease = await self.etcd.grant_lease(self.lease_ttl)
         fields = {"member": self.member, "http": self.http_address, "replication": self.replication_address}
+        sent = trio.current_time()
+        self.lease = await self.etcd.grant_lease(self.lease_ttl)
         await self.etcd.put(self.replica_key(self.replica), json.dumps(fields).encode(), lease=self.lease)
-        self.lease_renewed = trio.current_time()
+        self.valid_until = sent + self.lease_ttl
 
-    async def keep_lease(self) -> str:
-        """Renews the lease a few times per TTL; returns why it stopped: "expired" (etcd says the
-        lease is gone: another replica may be promoted) or "unreachable" (no renewal for longer
-        than the TTL: etcd may have let it expire)."""
+    async def keep_lease(self) -> None:
+        """Renews the lease every sixth of its TTL until etcd says it is gone (then returns: another
+        replica may be promoted). `valid_until` is when etcd may let it expire at the earliest: the
+        send time of the last renewal that succeeded, plus the TTL."""
         said = False
         while True:
-            await trio.sleep(self.lease_ttl / 4)
+            await trio.sleep(self.lease_ttl / 6)
+            sent = trio.current_time()
             try:
                 remaining = await self.etcd.keepalive(self.lease)
             except EtcdError as error:
-                if trio.current_time() - self.lease_renewed > self.lease_ttl:
-                    if not said:
-                        log.error(
-                            "etcd unreachable for longer than the lease (%d s): %s", self.lease_ttl, error
-                        )
-                        said = True
-                    return "unreachable"
+                if not said:
+                    log.error("etcd: cannot renew this replica's lease: %s", error)
+                    said = True
                 continue
             if remaining <= 0:
                 log.error("this replica's lease %x expired in etcd", self.lease)
-                return "expired"
-            self.lease_renewed = trio.current_time()
-
-    def lease_fresh(self) -> bool:
-        return trio.current_time() - self.lease_renewed < self.lease_ttl
+                return
+            said = False
+            self.valid_until = sent + self.lease_ttl
 
     # ---- the member's record -------------------------------------------------------------------
 
