@@ -19,9 +19,11 @@ replication/roles.py; this module runs them:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import socket
@@ -37,9 +39,10 @@ from typing import Any
 import trio
 
 from streamkeep.assemble import Injected, serve
+from streamkeep.background import Backoff
 from streamkeep.coordination.etcd import Etcd, EtcdError
 from streamkeep.replication import follower, wire
-from streamkeep.replication.mirror import Link, MirrorFileSystem
+from streamkeep.replication.mirror import HEARTBEAT, LOCK, MARKER, Link, MirrorFileSystem
 from streamkeep.replication.roles import Coordinator, Deposed, Record, marker_for, read_marker, write_marker
 from streamkeep.storage import files
 
@@ -49,7 +52,8 @@ FENCED_EXIT = 75
 # Renewals are cut short after this long (then the next endpoint is tried), and an owner stops this
 # long before etcd could expire its lease at the earliest.
 LEASE_CALL_TIMEOUT = 1.0
-LEASE_MARGIN = 0.5  # EX_TEMPFAIL: started again, the process rejoins as a follower
+LEASE_MARGIN = 0.5
+USER_TIMEOUT_MS = 10_000  # unacknowledged data on a replication socket for this long breaks it  # EX_TEMPFAIL: started again, the process rejoins as a follower
 POLL = 0.25
 
 
@@ -91,6 +95,9 @@ class Replica:
         self.make_etcd = make_etcd
         self.stats = ReplicaStats()
         self.mirror: MirrorFileSystem | None = None
+        self._owning: Record | None = None
+        self._backoff = Backoff(0.2, 5.0)  # between follower sessions that did not get in sync
+        self._session_failed = False
         self._events: trio.MemorySendChannel[tuple[str, Link]] | None = None
 
     def _coordinator(self, etcd: Etcd) -> Coordinator:
@@ -108,6 +115,7 @@ class Replica:
     # ---- the process ---------------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._lock_directory()
         coordinator = self.coordinator
         await coordinator.register()
         async with trio.open_nursery() as nursery:
@@ -120,12 +128,27 @@ class Replica:
             await self._own(record, nursery)  # returns when the server stopped (SIGTERM)
             nursery.cancel_scope.cancel()
         # A planned stop: the follower need not wait out the lease to take over.
+        self.stats.role = "stopping"  # the lease thread must not take the revoke for a fence
         with trio.move_on_after(2) as scope:
             scope.shield = True
             try:
                 await coordinator.etcd.revoke(coordinator.lease)
             except EtcdError as error:
                 log.warning("could not give up this replica's etcd lease: %s", error)
+
+    def _lock_directory(self) -> None:
+        """One process per replica directory: a second (an orphan of a killed supervisor, a
+        replacement started by hand) would serve or follow at the same epoch as the first."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SystemExit(
+                f"streamkeep: {self.data_dir} is in use by another process (replica.lock); stop it first"
+            ) from None
+        self._lock_fd = fd  # held until the process exits
 
     async def _lease_thread(self) -> None:
         async with self.make_etcd(timeout=LEASE_CALL_TIMEOUT) as etcd:
@@ -169,46 +192,78 @@ class Replica:
                 log.warning(message, *args)
 
         while True:
-            record = await coordinator.record()
             marker = read_marker(self.data_dir)
-            if record.owner == coordinator.replica:
-                if marker is not None and marker.get("member") == self.member:
-                    return record
-                if record.in_sync and await coordinator.alive(record.follower) is not None:
-                    await coordinator.hand_over(record)
-                    continue
-                if not record.served:
-                    # The member's first owner: a new directory, or one from before replication.
-                    write_marker(self.data_dir, marker_for(self.member, record.epoch))
-                    return record
-                once(
-                    "no-copy",
-                    "member %s: etcd names this replica the owner, but %s holds no copy of it and "
-                    "%s has no in-sync copy; restore it with `streamkeep restore --from-bucket` "
-                    "(docs/scaling.md) or bring %s back",
-                    self.member,
-                    self.data_dir,
-                    record.follower,
-                    record.follower,
-                )
-                await trio.sleep(1)
-                continue
-            owner = await coordinator.alive(record.owner)
-            if owner is None:
-                if self._may_promote(record, marker):
-                    await coordinator.promote(record)
-                else:
+            try:
+                # A new record (epoch 1, replica a owning) only where no failover can have happened:
+                # a copy marked at a later epoch, or a follower's, must not be served from scratch.
+                fresh = marker is None or (int(marker.get("epoch", 0)) <= 1 and not marker.get("session"))
+                record = await coordinator.record(create=fresh)
+                if record is None:
                     once(
-                        f"stale-{record.epoch}",
-                        "member %s: owner %s is down and this replica's copy is not in sync; "
-                        "waiting for %s to come back",
+                        "no-record",
+                        "member %s: etcd has no record of it, but %s holds a copy after a failover (%s): etcd's "
+                        "state was lost or another --etcd/--etcd-prefix is given. Not creating a new "
+                        "record, which could serve an older copy over a newer one: point this replica "
+                        "at the cluster's etcd, or remove %s from the directory that is to be served",
                         self.member,
-                        record.owner,
-                        record.owner,
+                        self.data_dir,
+                        marker,
+                        MARKER,
                     )
-                    await trio.sleep(POLL)
+                    await trio.sleep(1)
+                    continue
+                await self._step(record, marker, once)
+            except EtcdError as error:  # a hiccup longer than a call: try again, do not restart
+                once(f"etcd-{type(error).__name__}", "member %s: etcd: %s; trying again", self.member, error)
+                await trio.sleep(POLL)
                 continue
-            await self._follow(record, owner["replication"])
+            if self._owning is not None:
+                return self._owning
+
+    async def _step(self, record: Record, marker: dict[str, Any] | None, once: Callable[..., None]) -> None:
+        """One turn of following: sets `_owning` when this replica may serve."""
+        coordinator = self.coordinator
+        if record.owner == coordinator.replica:
+            if marker is not None and marker.get("member") == self.member:
+                self._owning = record
+                return
+            if record.in_sync and await coordinator.alive(record.follower) is not None:
+                await coordinator.hand_over(record)
+                return
+            if not record.served:
+                # The member's first owner: a new directory, or one from before replication.
+                write_marker(self.data_dir, marker_for(self.member, record.epoch))
+                self._owning = record
+                return
+            once(
+                "no-copy",
+                "member %s: etcd names this replica the owner, but %s holds no copy of it and "
+                "%s has no in-sync copy; restore it with `streamkeep restore --from-bucket` "
+                "(docs/scaling.md) or bring %s back",
+                self.member,
+                self.data_dir,
+                record.follower,
+                record.follower,
+            )
+            await trio.sleep(1)
+            return
+        owner = await coordinator.alive(record.owner)
+        if owner is None:
+            if self._may_promote(record, marker):
+                await coordinator.promote(record)
+            else:
+                once(
+                    f"stale-{record.epoch}",
+                    "member %s: owner %s is down and this replica's copy is not in sync; "
+                    "waiting for %s to come back",
+                    self.member,
+                    record.owner,
+                    record.owner,
+                )
+                await trio.sleep(POLL)
+            return
+        await self._follow(record, owner["replication"])
+        await trio.sleep(self._backoff.failed() if self._session_failed else 0)
 
     def _may_promote(self, record: Record, marker: dict[str, Any] | None) -> bool:
         return (
@@ -221,22 +276,42 @@ class Replica:
         )
 
     async def _follow(self, record: Record, address: str) -> None:
-        """One session of following `record.owner`: returns when it ends (the owner went away, or
-        etcd says this replica should own)."""
+        """One session of following `record.owner`: returns when it ends (the owner went away or
+        dropped us, or etcd says this replica should own)."""
         coordinator = self.coordinator
         session = secrets.token_hex(8)
         self.stats.role = "follower"
         self.stats.epoch = record.epoch
+        self._session_failed = True
         try:
             sock = await trio.to_thread.run_sync(self._connect, address, session, record.epoch)
         except (OSError, wire.ProtocolError) as error:
             log.info("member %s: cannot follow %s at %s yet: %s", self.member, record.owner, address, error)
-            await trio.sleep(POLL * 2)
             return
+        try:
+            # Our copy may still be recorded in sync under an earlier session (the owner has not yet
+            # seen that session end): emptying it now would leave etcd naming a copy that is gone.
+            # The owner records the old one as over as soon as this session replaced it.
+            with trio.move_on_after(10):
+                while True:
+                    now = await coordinator.record(create=False)
+                    if now is None or not (now.in_sync and now.session != session):
+                        break
+                    await trio.sleep(0.1)
+            if now is None or (now.in_sync and now.session != session):
+                log.info(
+                    "member %s: %s still records an earlier copy in sync; trying again",
+                    self.member,
+                    record.owner,
+                )
+                sock.close()
+                return
+        except BaseException:
+            sock.close()
+            raise
         copy = follower.Copy(self.data_dir)
         finished = trio.Event()
         outcome: list[BaseException] = []
-
         token = trio.lowlevel.current_trio_token()
 
         def apply() -> None:
@@ -262,14 +337,21 @@ class Replica:
                 with trio.move_on_after(POLL):
                     await finished.wait()
                 try:
-                    now = await coordinator.record()
-                    owner_alive = await coordinator.alive(now.owner) is not None
+                    now = await coordinator.record(create=False)
+                    owner_alive = now is not None and await coordinator.alive(now.owner) is not None
                 except EtcdError as error:
                     log.warning("etcd: %s", error)
                     continue
-                if now.in_sync and now.session == session and now.epoch == record.epoch and not marked:
+                if now is None:
+                    break
+                ours = now.in_sync and now.session == session and now.epoch == record.epoch
+                if ours and not marked:
                     write_marker(self.data_dir, marker_for(self.member, now.epoch, session))
                     marked = True
+                    self._backoff.reset()
+                    self._session_failed = False
+                if marked and not ours:
+                    break  # the owner records us as gone (it timed out on us): a new session copies again
                 if now.owner != record.owner or now.epoch != record.epoch or not owner_alive:
                     break
         finally:
@@ -279,6 +361,15 @@ class Replica:
                 pass
             sock.close()
             await finished.wait()
+        if not marked:
+            # The owner may have recorded this session in sync and died between two polls.
+            with trio.move_on_after(2):
+                try:
+                    now = await coordinator.record(create=False)
+                except EtcdError:
+                    now = None
+                if now is not None and now.in_sync and now.session == session:
+                    write_marker(self.data_dir, marker_for(self.member, now.epoch, session))
         if outcome:
             log.info("member %s: following %s ended: %s", self.member, record.owner, outcome[0])
 
@@ -303,8 +394,11 @@ class Replica:
             answer = wire.read_line(sock.recv)
             if not answer.get("ok"):
                 raise wire.ProtocolError(str(answer.get("error", "refused")))
-            sock.settimeout(None)
+            # The owner sends a barrier at least every HEARTBEAT: silence means it is gone, and a
+            # partition sends no reset.
+            sock.settimeout(5 * HEARTBEAT)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
             return sock
         except BaseException:
             sock.close()
@@ -322,7 +416,7 @@ class Replica:
         self.stats.role = "owner"
         self.stats.epoch = epoch
         self.stats.alone_since = trio.current_time()
-        send, receive = trio.open_memory_channel[tuple[str, Link]](64)
+        send, receive = trio.open_memory_channel[tuple[str, Link]](math.inf)
         token = trio.lowlevel.current_trio_token()
 
         def report(kind: str) -> Callable[[Link], None]:
@@ -365,6 +459,7 @@ class Replica:
                     continue
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
                 mirror.attach(sock, str(hello["replica"]), session=str(hello["session"]))
                 self.stats.links += 1
             except (OSError, wire.ProtocolError) as problem:

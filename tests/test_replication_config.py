@@ -67,7 +67,7 @@ def test_replicas_two_names_every_flag_it_lacks(tmp_path: Path) -> None:
     }  # fmt: skip
     with pytest.raises(config.ConfigError, match="m0a or m0b"):
         config.load(str(toml), env={}, cli=ready)
-    with pytest.raises(config.ConfigError, match=r"storage\.mode disk"):
+    with pytest.raises(config.ConfigError, match=r"storage\.mode disk|--fsync always"):
         config.load(str(toml), env={}, cli={**ready, "replication_replica": "m0a", "storage_mode": "memory"})
     settings = config.load(str(toml), env={}, cli={**ready, "replication_replica": "m0b"})
     assert settings.replication.replicas == 2 and settings.cluster.replicas["m1"][1] == (

@@ -217,3 +217,33 @@ def test_a_hostile_path_is_refused(tmp_path: Path) -> None:
         except wire.ProtocolError:
             continue
         raise AssertionError(f"{bad!r} was applied")
+
+
+async def test_a_large_copy_joins_under_writes_with_big_frames_and_modes(tmp_path: Path) -> None:
+    """A follower joining a directory of tens of MiB while writes go on gets in sync (the copier
+    keeps a window, the join waits for the copy to be acknowledged), a single write larger than a
+    frame travels, and a 0600 key file stays 0600 on the copy."""
+    owner_dir, copy_dir = tmp_path / "owner", tmp_path / "copy"
+    owner_dir.mkdir()
+    mirror = MirrorFileSystem(files.OS, owner_dir)
+    for n in range(40):
+        (owner_dir / f"d{n % 4}").mkdir(exist_ok=True)
+        (owner_dir / f"d{n % 4}" / f"f{n}").write_bytes(os.urandom(1 << 20))
+    files.replace(mirror, owner_dir, "key", b"secret", mode=0o600)
+    replica = Follower(copy_dir)
+    link, _ = replica.join(mirror)
+    fd = mirror.open(owner_dir / "live", os.O_WRONLY | os.O_CREAT)
+    offset = 0
+    with trio.fail_after(60):
+        while not link.in_sync:
+            await trio.to_thread.run_sync(lambda: mirror.pwrite(fd, b"x" * 4096, offset))
+            await trio.to_thread.run_sync(mirror.fdatasync, fd)
+            offset += 4096
+    big = os.urandom(3 << 20)  # three frames' worth in one write
+    await trio.to_thread.run_sync(lambda: files.pwrite_all(mirror, fd, big, offset))
+    await trio.to_thread.run_sync(mirror.fdatasync, fd)
+    mirror.close(fd)
+    assert replica.error is None
+    assert tree(copy_dir) == tree(owner_dir)
+    assert (copy_dir / "key").stat().st_mode & 0o777 == 0o600
+    assert link.stats.copied_bytes >= 40 << 20

@@ -19,6 +19,7 @@ took over. Only Ctrl-C/SIGTERM, or HAProxy or etcd ending, stops the cluster.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -86,9 +87,21 @@ def relay(name: str, process: subprocess.Popen[str]) -> None:
         sys.stderr.write(f"[{name}] {line.replace('streamkeep listening on', 'replica listening on')}")
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when `cluster run` dies, however it dies (no orphan replica keeps
+    serving a member the next `cluster run` starts again)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def spawn(replica: ReplicaProcess, env: dict[str, str]) -> None:
     replica.process = subprocess.Popen(
-        replica.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        replica.command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=_die_with_parent,  # prctl only: nothing that could hold a lock
     )
     replica.started = time.monotonic()
     threading.Thread(target=relay, args=(replica.replica, replica.process), daemon=True).start()

@@ -162,6 +162,10 @@ def _check_replication(values: dict[tuple[str, str], Any], member: str) -> None:
         )
     if values[("storage", "mode")] != "disk":
         raise ConfigError("--replicas 2 needs storage.mode disk: what is replicated is the data directory")
+    if values[("storage", "fsync")] != "always":
+        # Rounds are published before any sync under the other modes: a reader could see bytes
+        # that a failover then takes back.
+        raise ConfigError("--replicas 2 needs --fsync always: an append is acknowledged once on both disks")
     if values[("replication", "replica")] not in (f"{member}a", f"{member}b"):
         raise ConfigError(f"--replica must be {member}a or {member}b (the member's two replicas)")
 

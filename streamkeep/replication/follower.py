@@ -16,7 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from streamkeep.replication import wire
-from streamkeep.replication.mirror import MARKER
+from streamkeep.replication.mirror import MARKER, PRIVATE
 from streamkeep.storage import files
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,10 @@ class Copy:
         self.close()
         files.unlink_quietly(files.OS, self.root / MARKER)
         self.root.mkdir(parents=True, exist_ok=True)
+        files.fsync_dir(files.OS, self.root)  # the marker is gone before anything else goes
         for entry in os.scandir(self.root):
+            if entry.name in PRIVATE:
+                continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)
             else:
@@ -60,10 +63,15 @@ class Copy:
             raise wire.ProtocolError(f"a path outside the copy: {relative!r}")
         return os.path.join(self.root, relative)
 
-    def _fd(self, relative: str, flags: int = os.O_WRONLY | os.O_CREAT) -> int:
+    def _fd(self, relative: str, flags: int = os.O_WRONLY | os.O_CREAT, mode: int = 0o644) -> int:
         fd = self._fds.pop(relative, None)
         if fd is None:
-            fd = os.open(self._path(relative), flags, 0o644)
+            path = self._path(relative)
+            try:
+                fd = os.open(path, flags, mode)
+            except FileNotFoundError:  # a change inside a directory the copier has not sent yet
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, flags, mode)
             if len(self._fds) >= OPEN_FILES:
                 os.close(self._fds.popitem(last=False)[1])
         self._fds[relative] = fd
@@ -83,20 +91,36 @@ class Copy:
             os.ftruncate(self._fd(op.path), op.number)
         elif code == wire.CREATE:
             self._forget(op.path)
-            flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if op.number else 0)
-            self._fd(op.path, flags)
+            truncate, mode = wire.parse_create(op.number)
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+            os.fchmod(self._fd(op.path, flags, mode), mode)
+        # While the copy runs, a change may name a path the copier has not sent yet (it will send
+        # it as it is then), or one it sent twice over: those are no-ops, not divergence.
         elif code == wire.RENAME:
             self._forget(op.path)
             self._forget(op.target)
-            os.rename(self._path(op.path), self._path(op.target))
+            target = self._path(op.target)
+            try:
+                os.rename(self._path(op.path), target)
+            except FileNotFoundError:
+                if os.path.lexists(self._path(op.path)):
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    os.rename(self._path(op.path), target)
         elif code == wire.UNLINK:
             self._forget(op.path)
-            os.unlink(self._path(op.path))
+            path = self._path(op.path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)  # moved out of the data directory on the owner
+            else:
+                files.unlink_quietly(files.OS, path)
         elif code == wire.MKDIR:
-            os.mkdir(self._path(op.path))
+            os.makedirs(self._path(op.path), exist_ok=True)
         elif code == wire.RMDIR:
             self._forget(op.path)
-            os.rmdir(self._path(op.path))
+            try:
+                os.rmdir(self._path(op.path))
+            except FileNotFoundError:
+                pass
         self.applied += 1
 
     def sync(self) -> None:

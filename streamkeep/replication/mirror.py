@@ -12,11 +12,14 @@ owner's recovery would rebuild from, byte for byte: the same files, written by t
 Storage-agnostic on purpose: creates, deletes, meta/floor/cold manifests, producer state, forks and
 pins, subscription state and keys all travel because they are all files in the data directory.
 
-A follower joins while appends go on: under the lock the directory tree is listed and each file's
-creation queued, then a copier sends the files' contents in chunks, each read under the lock, so a
-live write queued later always lands after the chunk it overwrites; renames and unlinks during the
-copy move or drop the copier's place. Until the copy is done and confirmed durable the follower is
-not waited for (appends are not slowed by the copy) and is not in sync, so it cannot be promoted.
+A follower joins while appends go on: a copier walks the tree one directory at a time and sends
+each file in chunks, every step under the lock, so whatever it sends reflects every change queued
+before it and a live change queued later lands after it (the follower makes missing parents and
+takes a change to a path it has not received yet as a no-op: the copier will send that path as it
+is then). Renames and unlinks move or drop the copier's place. The copier never runs more than a
+window ahead of the socket. When it is done, a barrier is acknowledged before the follower is
+joined (then every sync waits for it) and a second one before it counts as in sync; until then it is
+not waited for (appends are not slowed by the copy) and cannot be promoted.
 
 When the channel breaks, syncs wait until the coordinator decides (`release`: it recorded in etcd
 that the owner runs alone, or the process exits because another replica was promoted). A sync is
@@ -43,10 +46,17 @@ from streamkeep.storage.files import FileSystem, PathLike
 log = logging.getLogger(__name__)
 
 LOOP_WAIT = 5.0
+COPY_WINDOW = 16 << 20  # the copier waits while this much is queued and not yet sent
+MOST_UNSENT = 256 << 20  # a follower this far behind is dropped (the owner's memory is bounded)
+HEARTBEAT = 1.0  # an idle channel carries a barrier this often: both ends learn the other is there
+COPY_TIMEOUT = 30.0  # a joining follower that acknowledges nothing for this long is dropped
+FRAME_DATA = 1 << 20  # a write is sent in frames of at most this much
 # A follower that acknowledges no sync for this long is taken for gone (a partition drops packets:
 # no reset ever comes), and the owner goes on alone once etcd records it. Longer than a slow fsync.
 ACK_TIMEOUT = 2.0
 MARKER = "replica.json"  # each replica's own record of what its directory holds; never copied
+LOCK = "replica.lock"  # held by the one process serving or following from this directory
+PRIVATE = (MARKER, LOCK)
 COPY_CHUNK = 1 << 20
 _WRITABLE = os.O_WRONLY | os.O_RDWR
 
@@ -63,26 +73,25 @@ class LinkStats:
 
 
 class Link:
-    """One follower connection: a sender thread writes queued frames, a reader thread takes acks."""
+    """One follower connection: a sender thread writes queued frames (and a heartbeat barrier when
+    idle), a reader thread takes acks."""
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        peer: str,
-        on_broken: Callable[[Link], None],
-    ) -> None:
+    def __init__(self, sock: socket.socket, peer: str, on_broken: Callable[[Link], None]) -> None:
         self.sock = sock
         self.peer = peer
         self._on_broken = on_broken
         self.cond = threading.Condition()
         self._out: collections.deque[bytes] = collections.deque()
+        self.unsent = 0
         self.barrier = 0  # the last barrier queued (under the mirror's lock)
         self.acked = 0
+        self.acked_at = time.monotonic()  # when the follower last acknowledged something new
         self.broken: BaseException | None = None
         self.released = False  # the coordinator let waiters go on without this follower
         self.joined = False  # the copy is done: syncs wait for this follower from now on
         self.in_sync = False  # and everything before joining is durable there too
         self.pending: dict[str, int] = {}  # copier: file -> next offset to send
+        self.pending_dirs: collections.deque[str] = collections.deque(["."])  # copier: to list
         self.session = ""  # the follower's id for this connection (its handshake says it)
         self.stats = LinkStats(joined_at=time.monotonic())
 
@@ -101,21 +110,39 @@ class Link:
 
     def queue(self, frame: bytes) -> None:
         with self.cond:
-            if self.broken is None:
-                self._out.append(frame)
-                self.stats.sent_bytes += len(frame)
-                self.cond.notify_all()
+            if self.broken is not None:
+                return
+            self._out.append(frame)
+            self.unsent += len(frame)
+            self.stats.sent_bytes += len(frame)
+            self.cond.notify_all()
+            behind = self.unsent > MOST_UNSENT
+        if behind:  # outside the condition: fail() takes it
+            self.fail(OverflowError(f"follower {self.peer} fell {MOST_UNSENT >> 20} MiB behind"))
 
     def _send_loop(self) -> None:
         while True:
             with self.cond:
-                while not self._out and self.broken is None:
-                    self.cond.wait()
+                if not self._out and self.broken is None and not self.cond.wait(HEARTBEAT):
+                    if self._silent():
+                        raise TimeoutError(
+                            f"follower {self.peer} acknowledged nothing for {COPY_TIMEOUT:g} s"
+                        )
+                    if not self._out:  # idle: a barrier again, acknowledging it twice is harmless
+                        self._out.append(wire.encode(wire.Op(wire.SYNC, number=self.barrier)))
                 if self.broken is not None:
                     return
-                batch = b"".join(self._out)
+                batch = list(self._out)
                 self._out.clear()
-            self.sock.sendall(batch)
+            self.sock.sendall(b"".join(batch))
+            with self.cond:
+                self.unsent -= sum(len(frame) for frame in batch)
+                self.cond.notify_all()
+
+    def _silent(self) -> bool:
+        """Under the condition: barriers outstanding and nothing acknowledged for long (a joining
+        follower; a joined one is judged by the syncs that wait for it)."""
+        return self.barrier > self.acked and time.monotonic() - self.acked_at > COPY_TIMEOUT
 
     def _ack_loop(self) -> None:
         buffer = b""
@@ -129,6 +156,8 @@ class Link:
                 highest = max(wire.ACK.unpack_from(buffer, at)[0] for at in range(0, whole, wire.ACK.size))
                 buffer = buffer[whole:]
                 with self.cond:
+                    if highest > self.acked or self.barrier == highest:
+                        self.acked_at = time.monotonic()
                     self.acked = max(self.acked, highest)
                     self.cond.notify_all()
 
@@ -137,13 +166,15 @@ class Link:
             if self.broken is not None:
                 return
             self.broken = error
+            self._out.clear()
+            self.unsent = 0
             self.cond.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
-        log.warning("replication to %s broke: %s", self.peer, error)
+        log.warning("replication to %s broke: %s", self.peer, self.broken)
         self._on_broken(self)
 
     def release(self) -> None:
@@ -154,28 +185,30 @@ class Link:
 
     def wait(self, number: int, *, ack_timeout: float, loop_timeout: float | None = None) -> None:
         """Until the follower acknowledged barrier `number`, or the coordinator released this link.
-        A follower silent for `ack_timeout` (cut off: no reset ever comes) breaks the link, which
-        makes the coordinator decide; `loop_timeout` bounds a wait on the event loop itself."""
+        A follower that acknowledges nothing new for `ack_timeout` (cut off: no reset ever comes)
+        breaks the link, which makes the coordinator decide; `loop_timeout` bounds a wait on the
+        event loop itself."""
         started = time.monotonic()
         silent = False
         with self.cond:
             if not self.joined or self.released:
                 return
             while self.acked < number and not self.released:
-                waited = time.monotonic() - started
-                if loop_timeout is not None and waited >= loop_timeout:
+                now = time.monotonic()
+                if loop_timeout is not None and now - started >= loop_timeout:
                     log.error(
                         "a sync on the event loop waited %.0f s for follower %s; going on without it",
                         loop_timeout,
                         self.peer,
                     )
                     break
-                if self.broken is None and waited >= ack_timeout:
+                quiet = now - max(self.acked_at, started)
+                if self.broken is None and quiet >= ack_timeout:
                     silent = True
                     break
-                limits = [] if loop_timeout is None else [loop_timeout - waited]
+                limits = [] if loop_timeout is None else [loop_timeout - (now - started)]
                 if self.broken is None:
-                    limits.append(ack_timeout - waited)
+                    limits.append(ack_timeout - quiet)
                 self.cond.wait(min(limits) if limits else None)
             self.stats.waits += 1
             self.stats.wait_seconds += time.monotonic() - started
@@ -191,13 +224,20 @@ class Link:
         """For the copier: True once `number` is acked, False if the link broke first."""
         with self.cond:
             while self.acked < number and self.broken is None:
-                self.cond.wait()
+                self.cond.wait(HEARTBEAT)
             return self.acked >= number
+
+    def wait_sent(self, below: int) -> bool:
+        """For the copier: until less than `below` bytes wait to be sent; False if the link broke."""
+        with self.cond:
+            while self.unsent >= below and self.broken is None:
+                self.cond.wait(HEARTBEAT)
+            return self.broken is None
 
 
 @dataclass
 class _Open:
-    path: str
+    path: str | None  # None: the file was unlinked or replaced; its writes no longer matter
     position: int = 0
 
 
@@ -207,6 +247,18 @@ def _on_event_loop() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _mode(root: str, relative: str) -> int:
+    """A file's permission bits, for its copy (key files are 0600)."""
+    try:
+        return os.stat(os.path.join(root, relative)).st_mode & 0o777
+    except OSError:
+        return 0o644
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + os.sep)
 
 
 class MirrorFileSystem:
@@ -226,7 +278,7 @@ class MirrorFileSystem:
         self.root = os.path.abspath(os.fspath(root))
         self._lock = threading.RLock()
         self._link: Link | None = None
-        # Links that broke while in sync, until the coordinator decides (records in etcd that the
+        # Links that broke while joined, until the coordinator decides (records in etcd that the
         # owner runs alone, or fences): no sync may count as done before that decision.
         self._undecided: set[Link] = set()
         self._open: dict[int, _Open] = {}
@@ -241,21 +293,14 @@ class MirrorFileSystem:
         return self._link
 
     def attach(self, sock: socket.socket, peer: str, session: str = "") -> Link:
-        """A follower (with an empty directory) joined: list the tree, queue its creation, start
-        the copier. Replaces any previous link (its waiters are released by the coordinator)."""
+        """A follower (with an empty directory) joined: the copier starts at the root. Replaces any
+        previous link, which counts as broken (the coordinator decides about it)."""
         link = Link(sock, peer, self._broken)
         link.session = session
         with self._lock:
             previous = self._link
             self._link = link
             self.links_made += 1
-            for directory, names in self._walk():
-                if directory != ".":
-                    link.queue(wire.encode(wire.Op(wire.MKDIR, directory)))
-                for name in names:
-                    path = name if directory == "." else os.path.join(directory, name)
-                    link.queue(wire.encode(wire.Op(wire.CREATE, path, number=1)))
-                    link.pending[path] = 0
         if previous is not None:
             previous.fail(ConnectionError(f"replaced by a new connection from {peer}"))
         link.start(lambda: self._copy(link))
@@ -269,54 +314,71 @@ class MirrorFileSystem:
             if self._link is link:
                 self._link = None
 
-    def _walk(self) -> list[tuple[str, list[str]]]:
-        """Directories (parents first) with their files, relative to the root; the marker left out."""
-        found: list[tuple[str, list[str]]] = []
-        todo = ["."]
-        while todo:
-            relative = todo.pop(0)
-            absolute = self.root if relative == "." else os.path.join(self.root, relative)
-            names: list[str] = []
-            for name in sorted(self.inner.listdir(absolute)):
-                child = name if relative == "." else os.path.join(relative, name)
-                if relative == "." and name == MARKER:
+    def _copy_step(self, link: Link) -> bool:
+        """One step of the copy, under the lock: list one directory or send one chunk. False when
+        nothing is left."""
+        if link.pending_dirs:
+            directory = link.pending_dirs.popleft()
+            absolute = self.root if directory == "." else os.path.join(self.root, directory)
+            try:
+                names = sorted(self.inner.listdir(absolute))
+            except FileNotFoundError:
+                return True  # removed since it was found: nothing to send
+            for name in names:
+                if directory == "." and name in PRIVATE:
                     continue
+                child = name if directory == "." else os.path.join(directory, name)
                 if self.inner.is_dir(os.path.join(self.root, child)):
-                    todo.append(child)
+                    link.queue(wire.encode(wire.Op(wire.MKDIR, child)))
+                    link.pending_dirs.append(child)
                 else:
-                    names.append(name)
-            found.append((relative, names))
-        return found
+                    flags = wire.create_flags(True, _mode(self.root, child))
+                    link.queue(wire.encode(wire.Op(wire.CREATE, child, number=flags)))
+                    link.pending[child] = 0
+            return True
+        if not link.pending:
+            return False
+        path, offset = next(iter(link.pending.items()))
+        try:
+            fd = self.inner.open(os.path.join(self.root, path), os.O_RDONLY)
+        except FileNotFoundError:
+            del link.pending[path]
+            return True
+        try:
+            chunk = self.inner.pread(fd, COPY_CHUNK, offset)
+        finally:
+            self.inner.close(fd)
+        if chunk:
+            link.queue(wire.write(path, offset, chunk))
+            link.stats.copied_bytes += len(chunk)
+        if len(chunk) < COPY_CHUNK:
+            del link.pending[path]
+        else:
+            link.pending[path] = offset + len(chunk)
+        return True
 
     def _copy(self, link: Link) -> None:
         started = time.monotonic()
         while link.broken is None:
             with self._lock:
-                if not link.pending:
-                    link.joined = True  # from here on every sync waits for this follower
-                    last = self._queue_barrier(link)
-                    break
-                path, offset = next(iter(link.pending.items()))
-                try:
-                    fd = self.inner.open(os.path.join(self.root, path), os.O_RDONLY)
-                except FileNotFoundError:
-                    del link.pending[path]
-                    continue
-                try:
-                    chunk = self.inner.pread(fd, COPY_CHUNK, offset)
-                finally:
-                    self.inner.close(fd)
-                if chunk:
-                    link.queue(wire.write(path, offset, chunk))
-                    link.stats.copied_bytes += len(chunk)
-                if len(chunk) < COPY_CHUNK:
-                    del link.pending[path]
-                else:
-                    link.pending[path] = offset + len(chunk)
+                more = self._copy_step(link)
+            if not more:
+                break
+            if not link.wait_sent(COPY_WINDOW):
+                return
         else:
             return
-        # Everything queued before the barrier (the copy, and rounds acknowledged while the
-        # follower was not yet waited for) must be durable there before it counts as in sync.
+        # The copy is queued: once it is acknowledged, the follower is joined with only what came
+        # since still in flight, so the first syncs that wait for it do not wait for the copy.
+        with self._lock:
+            copied = self._queue_barrier(link)
+        if not link.wait_acked(copied):
+            return
+        with self._lock:
+            link.joined = True  # from here on every sync waits for this follower
+            last = self._queue_barrier(link)
+        # Everything queued before the barrier (rounds acknowledged while the follower was not
+        # yet waited for among them) must be durable there before it counts as in sync.
         if link.wait_acked(last):
             link.stats.copy_seconds = time.monotonic() - started
             link.in_sync = True
@@ -344,13 +406,20 @@ class MirrorFileSystem:
             return "."
         if absolute.startswith(self.root + os.sep):
             relative = absolute[len(self.root) + 1 :]
-            return None if relative == MARKER else relative
+            return None if relative in PRIVATE else relative
         return None
 
     def _queue(self, op: wire.Op) -> None:
         link = self._link
         if link is not None:
             link.queue(wire.encode(op))
+
+    def _queue_write(self, path: str, offset: int, data: bytes | memoryview) -> None:
+        link = self._link
+        if link is not None:
+            view = memoryview(data)
+            for at in range(0, len(view), FRAME_DATA):
+                link.queue(wire.write(path, offset + at, view[at : at + FRAME_DATA]))
 
     def _queue_barrier(self, link: Link) -> int:
         link.barrier += 1
@@ -373,6 +442,18 @@ class MirrorFileSystem:
         for old in undecided:
             old.wait_released(loop_timeout)
 
+    def _forget(self, relative: str) -> None:
+        """`relative` (a file, or a directory and all below it) is gone or replaced: writes through
+        descriptors still open on it are no longer part of the tree, and the copier skips it."""
+        for entry in self._open.values():
+            if entry.path is not None and _under(entry.path, relative):
+                entry.path = None
+        link = self._link
+        if link is not None:
+            for path in [p for p in link.pending if _under(p, relative)]:
+                del link.pending[path]
+            link.pending_dirs = collections.deque(d for d in link.pending_dirs if not _under(d, relative))
+
     # ---- FileSystem ---------------------------------------------------------------------------
 
     def open(self, path: PathLike, flags: int, mode: int = 0o644) -> int:
@@ -384,7 +465,8 @@ class MirrorFileSystem:
             if relative is not None and relative != ".":
                 self._open[fd] = _Open(relative)
                 if flags & os.O_CREAT:
-                    self._queue(wire.Op(wire.CREATE, relative, number=1 if flags & os.O_TRUNC else 0))
+                    flags_and_mode = wire.create_flags(bool(flags & os.O_TRUNC), mode)
+                    self._queue(wire.Op(wire.CREATE, relative, number=flags_and_mode))
                 elif flags & os.O_TRUNC:
                     self._queue(wire.Op(wire.TRUNCATE, relative, number=0))
             return fd
@@ -398,10 +480,8 @@ class MirrorFileSystem:
         with self._lock:
             written = self.inner.pwrite(fd, data, offset)
             entry = self._open.get(fd)
-            if entry is not None and written > 0:
-                link = self._link
-                if link is not None:
-                    link.queue(wire.write(entry.path, offset, memoryview(data)[:written]))
+            if entry is not None and entry.path is not None and written > 0:
+                self._queue_write(entry.path, offset, memoryview(data)[:written])
             return written
 
     def write(self, fd: int, data: bytes | memoryview) -> int:
@@ -409,9 +489,8 @@ class MirrorFileSystem:
             written = self.inner.write(fd, data)
             entry = self._open.get(fd)
             if entry is not None and written > 0:
-                link = self._link
-                if link is not None:
-                    link.queue(wire.write(entry.path, entry.position, memoryview(data)[:written]))
+                if entry.path is not None:
+                    self._queue_write(entry.path, entry.position, memoryview(data)[:written])
                 entry.position += written
             return written
 
@@ -419,30 +498,36 @@ class MirrorFileSystem:
         with self._lock:
             self.inner.ftruncate(fd, length)
             entry = self._open.get(fd)
-            if entry is not None:
+            if entry is not None and entry.path is not None:
                 self._queue(wire.Op(wire.TRUNCATE, entry.path, number=length))
         # A cut-back (a failed write taken back before a 503) must be gone on the follower too
         # before the answer, or a promoted follower could serve bytes we said were not stored.
         self._synced(lambda: None)
 
     def rename(self, source: PathLike, target: PathLike) -> None:
+        old, new = self._relative(source), self._relative(target)
+        if old in (None, ".") and new not in (None, "."):  # its content would have to travel
+            raise OSError(errno.EXDEV, f"cannot mirror a rename into the data directory: {target}")
         with self._lock:
             self.inner.rename(source, target)
-            old, new = self._relative(source), self._relative(target)
-            if old is None or new is None or old == "." or new == ".":
-                if new not in (None, "."):  # moved in from outside: its content must travel
-                    raise OSError(errno.EXDEV, f"cannot mirror a rename into the data directory: {target}")
+            if old in (None, ".") or old is None:
                 return
+            if new in (None, ".") or new is None:  # moved out: gone from the tree
+                self._forget(old)
+                self._queue(wire.Op(wire.UNLINK, old))
+                return
+            self._forget(new)  # whatever the target replaced
             self._queue(wire.Op(wire.RENAME, old, new))
-            prefix = old + os.sep
             for entry in self._open.values():
-                if entry.path == old or entry.path.startswith(prefix):
+                if entry.path is not None and _under(entry.path, old):
                     entry.path = new + entry.path[len(old) :]
             link = self._link
-            if link is not None and link.pending:
-                link.pending.pop(new, None)
-                for path in [p for p in link.pending if p == old or p.startswith(prefix)]:
+            if link is not None:
+                for path in [p for p in link.pending if _under(p, old)]:
                     link.pending[new + path[len(old) :]] = link.pending.pop(path)
+                link.pending_dirs = collections.deque(
+                    new + d[len(old) :] if _under(d, old) else d for d in link.pending_dirs
+                )
 
     def unlink(self, path: PathLike) -> None:
         with self._lock:
@@ -451,9 +536,7 @@ class MirrorFileSystem:
             if relative not in (None, "."):
                 assert relative is not None
                 self._queue(wire.Op(wire.UNLINK, relative))
-                link = self._link
-                if link is not None:
-                    link.pending.pop(relative, None)
+                self._forget(relative)
 
     def mkdir(self, path: PathLike) -> None:
         with self._lock:
@@ -499,4 +582,4 @@ class MirrorFileSystem:
         return self.inner.free_bytes(path)
 
 
-__all__ = ["MARKER", "Link", "MirrorFileSystem"]
+__all__ = ["LOCK", "MARKER", "PRIVATE", "Link", "MirrorFileSystem"]

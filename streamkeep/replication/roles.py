@@ -27,7 +27,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import trio
 
@@ -161,12 +161,21 @@ class Coordinator:
 
     # ---- the member's record -------------------------------------------------------------------
 
-    async def record(self) -> Record:
-        """The member's record, created (epoch 1, replica a owning) if there is none yet."""
+    @overload
+    async def record(self) -> Record: ...
+
+    @overload
+    async def record(self, *, create: bool) -> Record | None: ...
+
+    async def record(self, *, create: bool = True) -> Record | None:
+        """The member's record; if there is none yet, created (epoch 1, replica a owning), or None
+        without `create`."""
         while True:
             found = await self.etcd.get(self.member_key)
             if found is not None:
                 return Record.decode(found.value, found.mod_revision)
+            if not create:
+                return None
             initial = Record(epoch=1, owner=self.first, follower=replica_ids(self.member)[1])
             try:
                 await self.etcd.compare_and_put(self.member_key, initial.encode(), mod_revision=0)

@@ -19,7 +19,7 @@ RENAME = 3  # source, target
 UNLINK = 4  # path
 MKDIR = 5  # path
 RMDIR = 6  # path
-CREATE = 7  # path, truncate flag: open(O_CREAT [| O_TRUNC])
+CREATE = 7  # path, flags: open(O_CREAT [| O_TRUNC], mode); see create_flags
 SYNC = 8  # barrier number: answer it once everything before is durable
 
 NAMES = {WRITE: "write", TRUNCATE: "truncate", RENAME: "rename", UNLINK: "unlink", MKDIR: "mkdir",
@@ -43,6 +43,15 @@ class Op:
     target: str = ""
     number: int = 0  # offset, length, barrier number or the truncate flag
     data: bytes = b""
+
+
+def create_flags(truncate: bool, mode: int) -> int:
+    """A CREATE's number: bit 0 truncates, the bits above are the file's permission bits."""
+    return int(truncate) | (mode & 0o7777) << 1
+
+
+def parse_create(number: int) -> tuple[bool, int]:
+    return bool(number & 1), (number >> 1) & 0o7777 or 0o644
 
 
 def _path(path: str) -> bytes:
