@@ -73,6 +73,11 @@ def placement_of(ids: list[str], epoch: int) -> Placement:
 def resize(data_dir: Path, processes: int, *, say: Callable[[str], None] = print) -> Report:
     if processes < 1:
         raise ResizeError("--processes must be at least 1")
+    if any(data_dir.glob("m*a/replica.json")) or any(data_dir.glob("m*b/replica.json")):
+        raise ResizeError(
+            f"{data_dir} is a replicated cluster (--replicas 2): resizing one is not built; its streams "
+            "would move on one replica and not the other"
+        )
     plan_path = data_dir / PLAN
     if plan_path.exists():  # an interrupted resize: finish that one
         plan = json.loads(plan_path.read_text())

@@ -56,7 +56,9 @@ FRAME_DATA = 1 << 20  # a write is sent in frames of at most this much
 ACK_TIMEOUT = 2.0
 MARKER = "replica.json"  # each replica's own record of what its directory holds; never copied
 LOCK = "replica.lock"  # held by the one process serving or following from this directory
-PRIVATE = (MARKER, LOCK)
+# Files at the root that are each replica's own: never copied. The /readyz probe's file is written
+# and removed straight through the OS (it checks the disk, not the data), so the copier skips it too.
+PRIVATE = (MARKER, LOCK, ".readyz-probe")
 COPY_CHUNK = 1 << 20
 _WRITABLE = os.O_WRONLY | os.O_RDWR
 
