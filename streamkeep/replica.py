@@ -224,11 +224,15 @@ class Replica:
         """One turn of following: sets `_owning` when this replica may serve."""
         coordinator = self.coordinator
         if record.owner == coordinator.replica:
-            if marker is not None and marker.get("member") == self.member:
-                self._owning = record
-                return
+            # A new process of the owner (restarted after a crash, or on an empty disk) while the
+            # follower is in sync and running: the follower takes over at once, warm (its copy is
+            # in its page cache, its process up), instead of this process recovering cold or the
+            # follower waiting out the old process's lease.
             if record.in_sync and await coordinator.alive(record.follower) is not None:
                 await coordinator.hand_over(record)
+                return
+            if marker is not None and marker.get("member") == self.member:
+                self._owning = record
                 return
             if not record.served:
                 # The member's first owner: a new directory, or one from before replication.

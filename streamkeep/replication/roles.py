@@ -13,8 +13,9 @@ The rules, each one transaction:
   promoted; the owner then acknowledges on its own disk (an alert, `/stats`, a metric).
 - promote: the follower, when the owner's `replicas/` key is gone (its lease expired) and the record
   says the follower's session is in sync: epoch + 1, owner and follower swapped, not in sync.
-- hand over: an owner that restarted on an empty directory (its disk was lost), while the follower
-  is in sync: the same swap, so the copy is served and the empty directory becomes the follower.
+- hand over: a new process of the owner (it crashed and restarted, perhaps on an empty directory),
+  while the follower is in sync and running: the same swap, so the warm copy is served at once and
+  the restarted one becomes the follower.
 
 A replica's directory holds a marker (`replica.json`, never replicated) saying what it is a
 complete copy of; a replica promotes or serves only a directory whose marker matches the record.
@@ -214,12 +215,13 @@ class Coordinator:
         return won
 
     async def hand_over(self, record: Record) -> Record | None:
-        """This owner has no copy (an empty directory): its in-sync follower takes over."""
+        """A new process of the owner (its directory lost, or it crashed and restarted): its
+        in-sync follower takes over."""
         new = Record(epoch=record.epoch + 1, owner=record.follower, follower=self.replica, served=True)
         won = await self._swap(record, new)
         if won is not None:
             log.warning(
-                "handed member %s to %s at epoch %d: this replica's directory holds no copy of it",
+                "handed member %s to its in-sync follower %s at epoch %d (this process starts anew)",
                 self.member,
                 record.follower,
                 won.epoch,
