@@ -138,7 +138,7 @@ bench-ha: $(VENV_STAMP)
 
 ## Appends through HAProxy to two processes beside one process direct, HTTP/1.1 and h2c (~1 min);
 ## then what replication costs (--replicas 2 vs 1, alternating), failover, time to redundancy per GiB
-## and the failover of a member holding many streams (ops/bench_replication.py; ~20-30 min on 2 cores).
+## and the failover of a member holding many streams (ops/bench_replication.py; ~20-40 min on 2 cores).
 ## Extra flags for the second: make bench-cluster REPLICATION_ARGS="--streams 100000 --fill-mib 4096"
 bench-cluster: $(VENV_STAMP) system-tools h2load
 	$(PY) -m ops.bench_cluster

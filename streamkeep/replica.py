@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 FENCED_EXIT = 75
 # Renewals are cut short after this long (then the next endpoint is tried), and an owner stops this
 # long before etcd could expire its lease at the earliest.
-LEASE_CALL_TIMEOUT = 1.0
+LEASE_CALL_TIMEOUT = 1.5
 LEASE_MARGIN = 0.5
 USER_TIMEOUT_MS = 10_000  # unacknowledged data on a replication socket for this long breaks it  # EX_TEMPFAIL: started again, the process rejoins as a follower
 POLL = 0.25

@@ -292,6 +292,7 @@ def test_losing_a_machine_and_its_disk_loses_nothing(cluster: Cluster) -> None:
         took = load.failover_seconds("m1", since)
         load.failover_seconds("m0", since)  # the other member never stopped
         load.wait_count(sum(len(a) for w in load.writers for a in w.acked.values()) + 100)
+    print(f"machine lost: m1's streams took appends again after {took:.2f} s")
     assert took <= FAILOVER_LIMIT, f"m1's streams answered appends after {took:.1f} s"
     load.never_failed("m0")  # its follower died with the machine: it went on alone, unseen
     views = cluster.wait_redundant()
@@ -321,6 +322,7 @@ def test_a_paused_owner_is_fenced_and_rejoins_as_follower(cluster: Cluster) -> N
             time.sleep(0.1)
         assert cluster.pid(owner) != pid, "the paused owner did not fence itself"
         load.wait_count(sum(len(a) for w in load.writers for a in w.acked.values()) + 50)
+    print(f"owner paused: m0's streams took appends again after {took:.2f} s")
     assert took <= FAILOVER_LIMIT, f"m0's streams answered appends after {took:.1f} s"
     views = cluster.wait_redundant()
     assert views["m0"]["replica"] != owner and views["m0"]["epoch"] > epoch, views
@@ -350,6 +352,7 @@ def test_a_partitioned_owner_is_replaced_and_nothing_is_lost(cluster: Cluster) -
                     "-D", chain, flag, where, "-j", "DROP", "-m", "comment", "--comment", "streamkeep-test"
                 )
         load.wait_count(sum(len(a) for w in load.writers for a in w.acked.values()) + 50)
+    print(f"owner cut off: m1's streams took appends again after {took:.2f} s")
     assert took <= FAILOVER_LIMIT, f"m1's streams answered appends after {took:.1f} s"
     views = cluster.wait_redundant(90)
     assert views["m1"]["replica"] != owner, views

@@ -236,7 +236,7 @@ async def test_a_large_copy_joins_under_writes_with_big_frames_and_modes(tmp_pat
     offset = 0
     with trio.fail_after(60):
         while not link.in_sync:
-            await trio.to_thread.run_sync(lambda: mirror.pwrite(fd, b"x" * 4096, offset))
+            await trio.to_thread.run_sync(mirror.pwrite, fd, b"x" * 4096, offset)
             await trio.to_thread.run_sync(mirror.fdatasync, fd)
             offset += 4096
     big = os.urandom(3 << 20)  # three frames' worth in one write

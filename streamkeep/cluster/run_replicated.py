@@ -289,7 +289,9 @@ def supervise(replica: ReplicaProcess, env: dict[str, str], now: float) -> None:
         return
     if now - replica.started > STEADY:
         replica.backoff = FIRST_BACKOFF
-    why = "fenced: another replica owns its member now" if status == 75 else f"status {status}"
+    if status == 2:  # a configuration error: starting it again would only say so again
+        raise ClusterError(f"replica {replica.replica} refused its configuration; see its output above")
+    why = "fenced: it stopped acknowledging, see its last lines" if status == 75 else f"status {status}"
     print(
         f"replica {replica.replica} exited ({why}); starting it again in {replica.backoff:g} s",
         file=sys.stderr,

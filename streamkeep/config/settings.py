@@ -531,7 +531,7 @@ SETTINGS: tuple[Setting, ...] = (
         "replication",
         "lease_ttl",
         positive_int,
-        3,
+        4,
         "seconds a replica's etcd lease outlives its last renewal: an owner silent this long is "
         "taken for dead and its follower promoted",
         flag="--lease-ttl",
