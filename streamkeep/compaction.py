@@ -43,6 +43,9 @@ PROGRESS_EVERY = 1.0
 # The fold runs on the event loop: it yields after this much work, so other streams' appends wait
 # at most about this long behind it (ops/bench_compaction.py measures it).
 SLICE_SECONDS = 0.002
+# `Compactor._failed_at` is pruned of deleted streams once it holds more than this (then twice
+# what the last prune left): amortized O(1) per failure, bounded by twice the failing streams alive.
+PRUNE_FLOOR = 256
 
 
 @dataclass
@@ -76,7 +79,12 @@ class Compactor:
         self.storage = supervisor.storage
         self.nursery = nursery
         self.running: dict[str, Progress] = {}
-        self._failed_at: dict[str, int] = {}  # tail when an automatic compaction last failed
+        # Per stream, its incarnation and its tail when an automatic compaction last failed. An
+        # entry goes when a compaction succeeds, when the name is created again, and when a prune
+        # finds its stream gone (once the dict doubled since the last prune): streams deleted
+        # after a failure must not cost memory for the rest of the server's life.
+        self._failed_at: dict[str, tuple[int, int]] = {}
+        self._prune_above = PRUNE_FLOOR
         self.compactions = 0
         self.failures = 0
         self.dropped_messages = 0
@@ -102,13 +110,17 @@ class Compactor:
         stream_log = self.storage.open(name)
         if stream_log is None or name in self.running:
             return
-        failed_at = self._failed_at.get(name)
-        if failed_at is not None and stream_log.published_tail < failed_at + (1 << 20):
-            return
+        failed = self._failed_at.get(name)
+        if failed is not None:
+            incarnation, failed_at = failed
+            if incarnation != stream_log.meta.incarnation:  # a new stream under the same name
+                del self._failed_at[name]
+            elif stream_log.published_tail < failed_at + (1 << 20):
+                return
         try:
             progress = self.start(name)
         except ProtocolError as error:
-            self._failed_at[name] = stream_log.published_tail
+            self._note_failure(name)
             log.warning("compaction of %r not started: %s", name, error.message)
             return
         progress.automatic = True
@@ -119,6 +131,7 @@ class Compactor:
             progress.result = await self._compact(progress, drop_invalid)
             progress.phase = "done"
             self.compactions += 1
+            self._failed_at.pop(name, None)
             log.info("compaction of %r: %s", name, progress.result)
         except ProtocolError as error:
             progress.error, progress.phase = error, "failed"
@@ -144,7 +157,10 @@ class Compactor:
     def _note_failure(self, name: str) -> None:
         stream_log = self.storage.open(name)
         if stream_log is not None:
-            self._failed_at[name] = stream_log.published_tail
+            self._failed_at[name] = (stream_log.meta.incarnation, stream_log.published_tail)
+        if len(self._failed_at) > self._prune_above:
+            self._failed_at = {n: f for n, f in self._failed_at.items() if self.storage.open(n) is not None}
+            self._prune_above = max(PRUNE_FLOOR, 2 * len(self._failed_at))
 
     async def _compact(self, progress: Progress, drop_invalid: bool) -> dict:
         name = progress.name
