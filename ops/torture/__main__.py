@@ -2,14 +2,17 @@
 
     python -m ops.torture blackbox --seed 7 --duration 60 [--fsync always|interval|never]
         [--sync-method fdatasync|syncfs] [--disk tmpfs|ext4|plain] [--no-cold] [--workers 6]
-        [--seeds K | --until-failure] [--matrix --total-minutes M] [--cluster 2]
+        [--seeds K | --until-failure] [--matrix --total-minutes M] [--cluster 2] [--minutes M]
+    python -m ops.torture blackbox --cluster 3 --replicas 2 --minutes 30   # replicated (issue 23)
     python -m ops.torture check HISTORY.jsonl    # judge a dumped history again
     python -m ops.torture sim --seed 7 [--seeds K] [--ops N] [--fsync ...] [--matrix --total-minutes M]
     python -m ops.torture all --total-minutes 30 [--cluster 2]  # both tiers: what `make torture` runs
 
 Exit status 1 on any finding. `--matrix` cycles through fsync modes and disks (and the cold tier on
 and off) with increasing seeds until `--total-minutes` have passed: what `make torture` runs.
-`--cluster N` runs N members behind HAProxy instead of one server (ops/torture/cluster.py).
+`--cluster N` runs N members behind HAProxy instead of one server (ops/torture/cluster.py); with
+`--replicas 2` each member is on two replicas coordinated by a 3-member etcd, under kill -9, disk
+loss, SIGSTOP, partitions and etcd member loss (ops/torture/replicated.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 from ops.torture import cluster as cluster_tier
+from ops.torture import replicated as replicated_tier
 from ops.torture import sim as sim_tier
 from ops.torture import simthreads
 from ops.torture.blackbox import Options, format_summary, run
@@ -43,9 +47,11 @@ MATRIX = [
 def blackbox(args: argparse.Namespace) -> int:
     if args.cluster == 1:
         raise SystemExit("--cluster: a cluster run needs at least 2 members (0: one server)")
+    if args.replicas not in (0, 2) or (args.replicas and args.cluster < 2):
+        raise SystemExit("--replicas: 2, with --cluster N (N >= 2; 3 for the issue's runs)")
     base = Options(
         seed=args.seed,
-        duration=args.duration,
+        duration=args.duration if args.minutes is None else args.minutes * 60,
         fsync=args.fsync,
         sync_method=args.sync_method,
         disk=args.disk,
@@ -55,6 +61,8 @@ def blackbox(args: argparse.Namespace) -> int:
         dump_dir=Path(args.dump_dir),
         server_args=tuple(args.server_args.split()),
         cluster=args.cluster,
+        replicas=args.replicas,
+        replica_faults=tuple(k for k in args.replica_faults.split(",") if k),
     )
     failed: list[str] = []
     began = time.monotonic()
@@ -63,7 +71,7 @@ def blackbox(args: argparse.Namespace) -> int:
         if args.matrix:
             options.fsync, options.sync_method, options.disk, options.cold = MATRIX[index % len(MATRIX)]
         print(f"== {options.replay()}", flush=True)
-        tier = cluster_tier.run if options.cluster else run
+        tier = replicated_tier.run if options.replicas else cluster_tier.run if options.cluster else run
         result = tier(options, log=lambda line: print(line, flush=True))
         print(format_summary(result), flush=True)
         if result.summary.findings:
@@ -111,6 +119,9 @@ def main() -> int:
     box = commands.add_parser("blackbox", help="a real server process under seeded operations and faults")
     box.add_argument("--seed", type=int, default=1)
     box.add_argument("--duration", type=float, default=60.0, help="seconds of workload per run")
+    box.add_argument(
+        "--minutes", type=float, default=None, help="minutes of workload per run (sets --duration)"
+    )
     box.add_argument("--fsync", choices=("always", "interval", "never"), default="always")
     box.add_argument("--sync-method", choices=("fdatasync", "syncfs"), default="fdatasync")
     box.add_argument("--disk", choices=("tmpfs", "ext4", "plain"), default="tmpfs")
@@ -133,6 +144,22 @@ def main() -> int:
         default=0,
         metavar="N",
         help="N members behind HAProxy, one killed at a time, forks across members (ops/torture/cluster.py)",
+    )
+    box.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        choices=(0, 2),
+        help="with --cluster N: each member on two replicas with etcd, under kill -9, disk loss, "
+        "SIGSTOP, partitions and etcd member loss (ops/torture/replicated.py)",
+    )
+    box.add_argument(
+        "--replica-faults",
+        default="",
+        metavar="KINDS",
+        help="with --replicas 2: the fault kinds to use, comma-separated (default: all of "
+        + ", ".join(replicated_tier.KINDS)
+        + ")",
     )
     box.set_defaults(run=blackbox)
     checking = commands.add_parser("check", help="judge a dumped history again")
@@ -228,6 +255,9 @@ def all_tiers(args: argparse.Namespace) -> int:
         dump_dir=str(Path(tempfile.gettempdir()) / "torture-runs"),
         server_args="",
         cluster=0,
+        replicas=0,
+        minutes=None,
+        replica_faults="",
     )
     if not args.cluster:
         return max(status, blackbox(box))

@@ -74,6 +74,8 @@ class Options:
     # finding, e.g. "--segment-max-age 0" to take one trigger away.
     server_args: tuple[str, ...] = ()
     cluster: int = 0  # members behind HAProxy (ops/torture/cluster.py); 0: one server
+    replicas: int = 0  # 2: each member on two replicas, etcd, replica faults (ops/torture/replicated.py)
+    replica_faults: tuple[str, ...] = ()  # with replicas: the fault kinds to use (): all of them
 
     def replay(self) -> str:
         command = (
@@ -82,6 +84,8 @@ class Options:
         )
         extra = f" --server-args='{' '.join(self.server_args)}'" if self.server_args else ""
         extra += f" --cluster {self.cluster}" if self.cluster else ""
+        extra += f" --replicas {self.replicas}" if self.replicas else ""
+        extra += f" --replica-faults {','.join(self.replica_faults)}" if self.replica_faults else ""
         return (
             command
             + ("" if self.cold else " --no-cold")
@@ -535,7 +539,7 @@ class Run:
             for thread in threads:
                 thread.start()
             next_report = began + 5
-            while time.monotonic() - began < self.options.duration and not self.dead:
+            while not self.workload_done(time.monotonic() - began) and not self.dead:
                 time.sleep(0.2)
                 if time.monotonic() >= next_report:
                     next_report += 5
@@ -582,6 +586,10 @@ class Run:
     def all_output(self) -> str:
         return self.server.all_output() if self.server else ""
 
+    def workload_done(self, elapsed: float) -> bool:
+        """Whether the workload (and its faults) may end, `elapsed` seconds after it began."""
+        return elapsed >= self.options.duration
+
     def dump_stem(self) -> str:
         return f"blackbox-seed{self.options.seed}-{self.options.fsync}-{self.options.disk}"
 
@@ -622,6 +630,7 @@ def format_summary(result: Result) -> str:
     lines = [
         f"seed {o.seed}: {o.duration:g} s, --fsync {o.fsync} ({o.sync_method}), disk {o.disk}, cold {'on' if o.cold else 'off'}"
         + (f", {o.cluster} members behind HAProxy" if o.cluster else "")
+        + (f", {o.replicas} replicas each" if o.replicas else "")
     ]
     kinds = s.op_kinds()
     lines.append("operations: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))

@@ -141,10 +141,14 @@ class HttpTransport:
                         verdict=classify(response.status_code, body=to_text(body)),
                     )
                 base64_mode = response.headers.get("stream-sse-data-encoding", "").lower() == "base64"
-                parser = SseParser(base64_mode, self.clock)
+                # Every event of one read is stamped with that read's time: they arrived together
+                # (the checker takes events of one time as sent together: operations/reads.py).
+                arrived = [self.clock()]
+                parser = SseParser(base64_mode, lambda: arrived[0])
                 partial = False
                 try:
                     for data in response.iter_raw():
+                        arrived[0] = self.clock()
                         parser.feed(data)
                         if parser.closed or self.clock() >= deadline:
                             break

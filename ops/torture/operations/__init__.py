@@ -32,7 +32,7 @@ A tier drives it like this (ops/torture/blackbox.py is one driver):
     checker.finish(); checker.summary()
 """
 
-from ops.torture.operations import cluster, probes, reads, registry, streams, subscriptions
+from ops.torture.operations import cluster, probes, reads, registry, replication, streams, subscriptions
 from ops.torture.operations.base import REGISTRY, ClientView, GenContext, Operation, Planned, all_names
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "probes",
     "reads",
     "registry",
+    "replication",
     "streams",
     "subscriptions",
 ]

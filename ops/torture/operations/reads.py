@@ -158,8 +158,12 @@ class _Read(Operation):
         position: int | None = (
             requested[1] if requested else (0 if from_start and not model.config.retention else None)
         )
-        since = started.time
+        # An up-to-date event may not be below a tail acknowledged before the previous event
+        # arrived; events that arrived in one read (one time) were sent together, before it.
+        since, previous = started.time, started.time
         for chunk in chunks:
+            if chunk.time > previous:
+                since, previous = previous, chunk.time
             token = parse_token(chunk.next_offset)
             if token is None:
                 model.finding(
@@ -236,7 +240,6 @@ class _Read(Operation):
                 model.tail_floor(inc, end, started, ended, started.op, since=since, kind=kind)
                 judge_closed_report(model, started, ended, states, inc, end, chunk.closed)
             position = end
-            since = chunk.time
         touch(model, started, ended, states, inc, write=False)
 
 

@@ -529,8 +529,19 @@ class Produce(_Append):
         super().after(ctx, planned, outcome)
         name = planned.name or ""
         producer = ctx.view.producers[(ctx.worker, name)]
-        if outcome.verdict == AMBIGUOUS and producer.retries < 12:
+        # Once an attempt's fate is unknown, the same (epoch, seq) is only ever sent again with the
+        # same body: a later 503 says nothing of the earlier attempt, which may be stored (a new
+        # body under that seq would be answered 204, a duplicate of the first; replicated run,
+        # seed 200). A client that gives up on it starts a new epoch.
+        unknown = outcome.verdict == AMBIGUOUS or (
+            producer.retries > 0 and (outcome.status is None or outcome.status >= 500)
+        )
+        if unknown and producer.retries < 12:
             producer.pending, producer.retries = dict(planned.params), producer.retries + 1
+            return
+        if unknown:
+            producer.pending, producer.retries = None, 0
+            producer.epoch, producer.seq = producer.epoch + 1, 0
             return
         producer.pending, producer.retries = None, 0
         if outcome.status in (200, 204):
