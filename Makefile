@@ -57,7 +57,7 @@ docs: $(VENV_STAMP)
 # The unit tests need Node packages too: the State Protocol's reference materializer
 # (@durable-streams/state, conformance/materialize.mjs) judges compaction.
 unit: $(VENV_STAMP) $(NPM_STAMP) system-tools browser-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The fault tests mount a small tmpfs and an ext4 loop image (as root, as CI runs): mkfs.ext4
 # comes from Debian's e2fsprogs. The cluster tests put Debian's haproxy in front of two processes, and

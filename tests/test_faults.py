@@ -186,7 +186,9 @@ def test_appends_racing_deletes_get_no_503_and_leave_no_descriptor_behind(tmp_pa
         stop.set()
         for thread in threads:
             thread.join()
-        assert statuses[204] > 500 and statuses[201] > 100, statuses
+        # Churn happened (the churner re-created streams, and writers hit the gaps) on a machine
+        # that another test worker shares.
+        assert statuses[204] > 500 and statuses[201] > 20 and statuses[404] > 0, statuses
         assert set(statuses) <= {200, 201, 204, 404}, statuses  # no 503, no 500
         assert not any("Bad file descriptor" in line or "Illegal seek" in line for line in server.output)
         time.sleep(1)

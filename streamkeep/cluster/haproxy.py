@@ -121,7 +121,9 @@ def config(
         # A failed owner is out after 2 checks 0.5 s apart; the promoted replica is in at its first.
         # Until a check has run, HAProxy takes both for up: a connection the follower refuses (it
         # does not listen) is retried on the other server of the backend, the same member's owner.
-        lines += ["    option redispatch 1"]
+        # A check may take up to 2 s (HAProxy's default is the 0.5 s interval): an owner that is
+        # slow for a moment on a busy machine is not taken out; a dead one refuses at once.
+        lines += ["    option redispatch 1", "    timeout check 2s"]
         lines += [
             f"    server {name} {address} check inter 500ms fall 2 rise 1"
             for name, address in replicas[member.id]
