@@ -85,6 +85,8 @@ class Injected:
     retry_start: Callable[[OSError, int], Awaitable[bool]] | None = None
     # A replica's coordinator (streamkeep/replica.py), shown in /stats and metrics: `describe()`.
     replication: Any = None
+    # Called once streams are served (recovery done): a replica takes its follower from then on.
+    on_serving: Callable[[], None] | None = None
 
 
 def make_storage(settings: SimpleNamespace, injected: Injected | None = None) -> MemoryStorage | DiskStorage:
@@ -397,6 +399,8 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage], injected:
         if isinstance(server.storage, DiskStorage):
             opened.append(server.storage)
         await server.recover()
+        if server.injected.on_serving is not None:
+            server.injected.on_serving()
         for bind in binds:
             # Tests and scripts read this line to find the port when started with --port 0; it
             # comes once streams are served.

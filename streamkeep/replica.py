@@ -437,11 +437,16 @@ class Replica:
         except Deposed as deposed:
             fence(str(deposed))
         listener = socket.create_server(split_address(self.replication_address), reuse_port=False)
-        threading.Thread(target=self._accept, args=(listener, mirror, epoch), daemon=True).start()
+
+        def take_followers() -> None:
+            # Only once recovery is done: a follower's copy must not compete with it for the CPU
+            # and the disk while the member's streams wait to be served.
+            threading.Thread(target=self._accept, args=(listener, mirror, epoch), daemon=True).start()
+
         nursery.start_soon(self._owner_events, receive, epoch)
         nursery.start_soon(self._owner_watch, epoch)
         log.info("member %s: replica %s owns it at epoch %d", self.member, coordinator.replica, epoch)
-        await serve(self.settings, Injected(fs=mirror, replication=self))
+        await serve(self.settings, Injected(fs=mirror, replication=self, on_serving=take_followers))
 
     def _accept(self, listener: socket.socket, mirror: MirrorFileSystem, epoch: int) -> None:
         while True:
