@@ -130,6 +130,21 @@ def wait_until_up(url: str, process: subprocess.Popen[Any], what: str, seconds: 
     raise ClusterError(f"{what} did not answer {url} within {seconds:g} s")
 
 
+def stop_all(processes: list[subprocess.Popen[Any]]) -> None:
+    """SIGTERM to each in the order given, then waits for all of them together (SIGKILL after
+    STOP_GRACE): the front door first, so no request reaches a process that is stopping."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def check_arguments(processes: int, tls_cert: str | None, tls_key: str | None) -> None:
     if processes < 1:
         raise ClusterError("--processes must be at least 1")
@@ -228,15 +243,6 @@ def run(
             time.sleep(0.2)
         return 0
     finally:
-        for _, process in reversed(children):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for _, process in children:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_all([process for _, process in reversed(children)])
         for sig, handler in previous.items():
             signal.signal(sig, handler)

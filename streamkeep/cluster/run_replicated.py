@@ -34,7 +34,6 @@ from typing import Any
 from streamkeep.cluster import haproxy
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.cluster.run import (
-    STOP_GRACE,
     ClusterError,
     check_arguments,
     cluster_secret,
@@ -42,6 +41,7 @@ from streamkeep.cluster.run import (
     front_door_pem,
     haproxy_binary,
     member_ids,
+    stop_all,
     wait_until_listening,
     write_toml,
 )
@@ -256,18 +256,7 @@ def run_replicated(
         return 0
     finally:
         children = [r.process for r in every if r.process is not None]
-        if balancer is not None:
-            children.insert(0, balancer)
-        for process in children:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for process in children:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_all(children if balancer is None else [balancer, *children])
         if local_etcd is not None:
             local_etcd.stop()
         for sig, handler in previous.items():
