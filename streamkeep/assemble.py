@@ -85,8 +85,12 @@ class Injected:
     retry_start: Callable[[OSError, int], Awaitable[bool]] | None = None
     # A replica's coordinator (streamkeep/replica.py), shown in /stats and metrics: `describe()`.
     replication: Any = None
-    # Called once streams are served (recovery done): a replica takes its follower from then on.
+    # Called once streams are served (maybe before all are read: --read-before-serving): a
+    # replica takes its follower from then on.
     on_serving: Callable[[], None] | None = None
+    # Streams read in the background between two checkpoints (None: as many as 5 ms allow); the
+    # simulation counts them, so that its runs replay.
+    read_slice_streams: int | None = None
 
 
 def make_storage(settings: SimpleNamespace, injected: Injected | None = None) -> MemoryStorage | DiskStorage:
@@ -110,6 +114,7 @@ def make_storage(settings: SimpleNamespace, injected: Injected | None = None) ->
         fs=injected.fs,
         run_sync=injected.run_sync,
         cache_bytes=injected.read_cache_bytes,
+        read_slice_streams=injected.read_slice_streams,
     )
 
 
@@ -278,21 +283,33 @@ class Server:
             True
         ):  # a retry is the injected policy's (the simulation's faults); the real disk's errors end the start
             try:
-                report = await storage.start(self.nursery)
+                report = await storage.start(
+                    self.nursery, serve_after=self.settings.storage.read_before_serving
+                )
                 break
             except OSError as error:
                 if self.injected.retry_start is None or not await self.injected.retry_start(error, attempt):
                     raise
                 attempt += 1
-        log.info(
-            "recovered %d streams (%d appends, %d bytes) in %.2f s; %d repaired, %d skipped",
-            report.streams,
-            report.records,
-            report.bytes,
-            report.seconds,
-            len(report.repaired),
-            len(report.skipped),
-        )
+        unread = storage.unread()
+        if unread:
+            log.info(
+                "read %d streams in %.2f s; serving now, the other %d are read in the background "
+                "(each at once when asked for)",
+                report.streams,
+                report.seconds,
+                unread,
+            )
+        else:
+            log.info(
+                "recovered %d streams (%d appends, %d bytes) in %.2f s; %d repaired, %d skipped",
+                report.streams,
+                report.records,
+                report.bytes,
+                report.seconds,
+                len(report.repaired),
+                len(report.skipped),
+            )
         if store is None or cold is None:
             return None
         archiver = Archiver(storage, store, cold, run_sync=self.injected.run_sync)

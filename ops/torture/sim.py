@@ -340,6 +340,7 @@ class Simulation:
             state_on_disk=False,
             subscriptions=False,
             retry_start=self._retry_start,
+            read_slice_streams=1,  # counted, not timed, so that a seed replays
         )
         server = Server(_settings(config), nursery, injected)
         await server.recover()
@@ -578,6 +579,9 @@ def _settings(config: SimConfig) -> SimpleNamespace:
     settings.storage.segment_max_age = config.segment_max_age
     settings.storage.min_free_bytes = config.min_free_bytes
     settings.storage.io_threads = 4
+    # Serve before reading any stream: every restart then reads streams in the background and on
+    # first use, under the same faults as everything else.
+    settings.storage.read_before_serving = 0.0
     settings.limits.max_stream_bytes = 1 << 20
     settings.limits.max_total_bytes = 1 << 24
     settings.server.hibernate_after = 5.0

@@ -18,6 +18,7 @@ SWEEP_INTERVAL = 10.0
 
 
 async def sweep_expired(supervisor: Supervisor, interval: float = SWEEP_INTERVAL) -> None:
+    await supervisor.storage.recovered()  # a sweep would read every stream on the event loop
     while True:
         await trio.sleep(interval)
         now = time.time()

@@ -44,6 +44,10 @@ from streamkeep.storage.errors import StorageUnavailable, below_floor
 
 log = logging.getLogger(__name__)
 
+# A delete in the seconds after a start that served before reading every stream waits this long
+# for the rest to be read (a stream's forks must all be counted), then is answered 503.
+DELETE_WAITS_FOR_RECOVERY = 20.0
+
 
 class StreamOps:
     """One stream's operations, run by its actor (actors/actor.py) one message at a time."""
@@ -254,6 +258,11 @@ class StreamOps:
 
     async def _remove(self, stream_log: StreamLog) -> None:
         """Deletes the stream, or only soft-deletes it while forks still read its data (§4.2)."""
+        if self._storage.unread():  # its forks are all counted once every stream is read
+            with trio.move_on_after(DELETE_WAITS_FOR_RECOVERY):
+                await self._storage.recovered()
+            if self._storage.unread():
+                raise self._storage.still_reading()
         if stream_log.meta.fork_count > 0:
             stream_log.meta.soft_deleted = True
             try:

@@ -242,6 +242,7 @@ class RemoteForks:
         """Reconciles at start and every `reconcile_interval`; an unreachable member is retried
         on the next round (logged once, counted in /stats), never taken as "absent"."""
         retry = Backoff(RETRY_FIRST, self.reconcile_interval, jitter=0)
+        await self.storage.recovered()  # every source's pins, not those read so far
         while True:
             await self.reconcile_once()
             if self._missed:  # a member did not answer, or a pin could not go: again soon, backing off
@@ -308,11 +309,7 @@ class RemoteForks:
         return {
             "remote_reads": self.remote_reads,
             "attached": self.attached,
-            "pins": sum(
-                len(log.meta.remote_forks)
-                for name in self.storage.names()
-                if (log := self.storage.open(name))
-            ),
+            "pins": sum(len(log.meta.remote_forks) for log in self.storage.logs()),
             "pins_dropped": self.pins_dropped,
             "reconciles": self.reconciles,
             **self.health.stats(),

@@ -131,6 +131,7 @@ class ClusterKeeper(RegistryKeeper):
         unanswered: dict[str, str] = {}
 
         async def wanted(listed: dict[str, Any]) -> dict[str, dict[str, Any]]:
+            await self.storage.recovered()  # this member's part lists every stream it holds
             parts = await self._parts(member_ids)
             result = dict(listed)
             for member_id, part in parts.items():

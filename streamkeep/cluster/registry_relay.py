@@ -150,6 +150,7 @@ class RegistryRelay:
         self._heard.set()
         if payload.get("probe"):
             return {}
+        await self.storage.recovered()  # the keeper's call waits; its own timeout retries
         return {"streams": live_streams(self.storage, self.clock())}
 
     def stats(self) -> dict:

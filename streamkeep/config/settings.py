@@ -228,6 +228,17 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("storage", "io_threads", positive_int, 32, "worker threads for disk I/O", flag="--io-threads"),
     Setting(
+        "storage",
+        "read_before_serving",
+        duration_or_off,
+        1.0,
+        "at start, how long to read streams from disk before serving (0: serve at once): the ones "
+        "not read by then are read in the background, each at once when first asked for, so a large "
+        "directory serves in seconds (deletes, the TTL sweep, retention and the cold tier wait until "
+        "all are read)",
+        flag="--read-before-serving",
+    ),
+    Setting(
         "cold",
         "url",
         text,

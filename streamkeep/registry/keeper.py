@@ -82,7 +82,14 @@ class RegistryKeeper:
             if reason is not None:
                 raise _conflict(reason)
         try:
-            await self.reconcile()
+            if self.storage.unread():
+                # Serving before every stream is read: what the registry lists now is checked and
+                # taken as the start; the difference from the live streams is appended once all
+                # are read (`run`).
+                await self._reconcile(self._listed_now)
+                self._repair.set()
+            else:
+                await self.reconcile()
         except RegistryConflict:
             raise
         except Exception as error:  # a failing disk: serve anyway, the repair retries
@@ -107,7 +114,12 @@ class RegistryKeeper:
     async def _wanted(self, listed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """What the registry should list, given what it lists now (a cluster's keeper asks the
         other members for their part: streamkeep/cluster/registry.py)."""
+        await self.storage.recovered()
         return self._live()
+
+    @staticmethod
+    async def _listed_now(listed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return listed
 
     async def _reconcile(
         self, wanted: Callable[[dict[str, Any]], Awaitable[dict[str, dict[str, Any]]]]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 FORMAT_FILE = "FORMAT"
 FORMAT_VERSION = 2
@@ -23,6 +23,14 @@ def stream_dirname(name: str) -> str:
     if len(encoded) <= _MAX_DIRNAME:
         return encoded
     return "~" + hashlib.sha256(name.encode()).hexdigest()
+
+
+def stream_name(dirname: str) -> str | None:
+    """The stream a directory of `stream_dirname` holds, when its name says (None: a hashed long
+    name, which only its meta.cbor tells). Recovery checks it against the meta it reads."""
+    if dirname.startswith("~"):
+        return None
+    return unquote(dirname)
 
 
 def segment_filename(start: int) -> str:

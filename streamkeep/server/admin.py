@@ -144,15 +144,14 @@ def stream(
             for producer_id, state in producers[:MAX_PRODUCERS]
         ],
         producers_total=len(producers),
-        # Forks are few and a stream does not list its own: one pass over the names finds them,
-        # and the pins name those other cluster members own.
+        # Forks are few and a stream does not list its own: one pass over the streams finds them
+        # (those read so far, in the seconds after a start that served early), and the pins name
+        # those other cluster members own.
         forks=sorted(
             {
-                other
-                for other in storage.names()
-                if (log := storage.open(other)) is not None
-                and log.meta.forked_from == name
-                and readable(other)
+                log.meta.name
+                for log in storage.logs()
+                if log.meta.forked_from == name and readable(log.meta.name)
             }
             | {fork for _, fork, _ in meta.remote_forks if readable(fork)}
         ),

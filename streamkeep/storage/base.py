@@ -15,7 +15,7 @@ Only the stream's actor calls the mutating methods, so logs need no locks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -203,7 +203,18 @@ class Storage(Protocol):
     # In a cluster: how this member reaches fork sources the others own (None: every source is here).
     remote: RemoteSources | None
 
-    def open(self, name: str) -> StreamLog | None: ...
+    def open(self, name: str) -> StreamLog | None:
+        """The stream, or None. Disk storage serving before it read everything reads the stream
+        now if it is not read yet, and raises ProtocolError (503) if that read fails."""
+        ...
+
+    async def recovered(self) -> None:
+        """Returns once every stream found at start is read (at once for memory storage)."""
+        ...
+
+    def still_reading(self) -> Exception:
+        """What to answer a request that waited too long for `recovered`."""
+        ...
 
     async def create(self, meta: StreamMeta, messages: list[bytes]) -> StreamLog:
         """A new stream whose own data starts at `meta.fork_base` (0 unless it is a fork)."""
@@ -215,4 +226,14 @@ class Storage(Protocol):
         """Persists a changed stream configuration (today: the soft-deleted flag) atomically."""
         ...
 
-    def names(self) -> list[str]: ...
+    def names(self) -> list[str]:
+        """Every stream's name, read yet or not."""
+        ...
+
+    def logs(self) -> Sequence[StreamLog]:
+        """The streams read so far: all of them unless `unread()`."""
+        ...
+
+    def unread(self) -> int:
+        """How many streams found at start are not read yet (disk storage serving early)."""
+        ...

@@ -114,6 +114,12 @@ class MemoryStorage:
     def open(self, name: str) -> MemoryLog | None:
         return self._logs.get(name)
 
+    async def recovered(self) -> None:
+        """Nothing to read at start: memory storage begins empty."""
+
+    def still_reading(self) -> Exception:  # never asked for: `recovered` returns at once
+        return RuntimeError("memory storage has nothing to read at start")
+
     async def create(self, meta: StreamMeta, messages: list[bytes]) -> MemoryLog:
         log = MemoryLog(self.budget, replace(meta))
         log.add(messages)
@@ -130,3 +136,9 @@ class MemoryStorage:
 
     def names(self) -> list[str]:
         return list(self._logs)
+
+    def logs(self) -> list[MemoryLog]:
+        return list(self._logs.values())
+
+    def unread(self) -> int:
+        return 0

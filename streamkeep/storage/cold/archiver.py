@@ -141,6 +141,7 @@ class Archiver:
     # ---- the loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
+        await self.storage.recovered()  # its passes go over every stream
         try:
             await self.io(self.store.ensure_bucket)
         except Exception as error:

@@ -33,7 +33,7 @@ from streamkeep.storage.files import FileSystem
 
 log = logging.getLogger(__name__)
 
-_DAMAGE = (OSError, ValueError, KeyError, TypeError, fmt.CorruptRecord, cbor2.CBORDecodeError)
+DAMAGE = (OSError, ValueError, KeyError, TypeError, fmt.CorruptRecord, cbor2.CBORDecodeError)
 
 
 @dataclass
@@ -70,27 +70,48 @@ def recover(
     """Reads every stream; `adopt` builds the live object for each and returns it."""
     started = time.monotonic()
     report = RecoveryReport()
-    report.repaired.extend(
-        f"finished an interrupted delete or create: {what}" for what in directory.finish_deletes()
-    )
-    entries = directory.stream_entries()
-    for count, name in enumerate(entries, 1):
-        path = directory.streams / name
+    found = list_streams(fs, directory, report)
+    for count, path in enumerate(found.values(), 1):
         try:
-            loaded = _recover_stream(fs, path, report)
-        except _DAMAGE as error:
-            report.skipped.append(f"{name}: {error}")
-            log.error("recovery: skipped %s: %s (left in place for inspection)", path, error)
+            loaded = read_stream(fs, path, report)
+        except DAMAGE as error:
+            skip(report, path, error)
             continue
         adopt(loaded)
         report.streams += 1
         if count % 5000 == 0:
-            log.info("recovery: %d of %d stream directories read", count, len(entries))
+            log.info("recovery: %d of %d stream directories read", count, len(found))
     report.seconds = time.monotonic() - started
     return report
 
 
-def _recover_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Loaded:
+def list_streams(fs: FileSystem, directory: DataDirectory, report: RecoveryReport) -> dict[str, Path]:
+    """Before any stream is read: finishes what interrupted deletes and creates left, and names
+    every stream directory (by its file name; a hashed long one by its meta)."""
+    report.repaired.extend(
+        f"finished an interrupted delete or create: {what}" for what in directory.finish_deletes()
+    )
+    found: dict[str, Path] = {}
+    for entry in directory.stream_entries():
+        path = directory.streams / entry
+        name = layout.stream_name(entry)
+        if name is None:
+            try:
+                name = decode_meta(files.read_file(fs, path / layout.META)).name
+            except DAMAGE as error:
+                skip(report, path, error)
+                continue
+        found[name] = path
+    return found
+
+
+def skip(report: RecoveryReport, path: Path, error: BaseException) -> None:
+    report.skipped.append(f"{path.name}: {error}")
+    log.error("recovery: skipped %s: %s (left in place for inspection)", path, error)
+
+
+def read_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Loaded:
+    """One stream as its files hold it, torn tails cut; raises one of DAMAGE if it cannot be."""
     loaded = Loaded(directory, files.read_file(fs, directory / layout.META))
     loaded.floor = floors.load(fs, directory)
     floor = loaded.floor.floor if loaded.floor is not None else None

@@ -31,6 +31,7 @@ import trio
 from streamkeep.health import Health
 from streamkeep.protocol.globs import compile_glob
 from streamkeep.storage import forks
+from streamkeep.storage.base import Storage, StreamLog
 from streamkeep.storage.disk.log import DiskLog
 
 log = logging.getLogger(__name__)
@@ -98,20 +99,20 @@ def planned_floor(stream_log: DiskLog, rule: RetentionRule, now_ms: float, budge
     return floor
 
 
-def fork_pins(storage: object, logs: list[DiskLog]) -> dict[str, int]:
+def fork_pins(storage: Storage, logs: list[DiskLog]) -> dict[str, int]:
     """For each stream some fork reads through, the lowest position a fork may still read there:
     nothing at or above it may be deleted. A fork reads its source from its own floor up to its
     fork point, and through a chain of forks, every ancestor's range below the fork points."""
     pins: dict[str, int] = {}
     for stream_log in logs:
-        low = forks.readable_from(storage, stream_log)  # type: ignore[arg-type]
+        low = forks.readable_from(storage, stream_log)
         name = stream_log.meta.name
         for _, _, pinned in stream_log.meta.remote_forks:  # forks other cluster members own
             pins[name] = min(pins.get(name, pinned), pinned)
             low = min(low, pinned)  # and what they read of this stream's own sources
-        current = stream_log
+        current: StreamLog = stream_log
         while current.meta.forked_from is not None and low < current.meta.fork_base:
-            source = storage.open(current.meta.forked_from)  # type: ignore[attr-defined]
+            source = storage.open(current.meta.forked_from)
             if source is None:
                 break
             pins[source.meta.name] = min(pins.get(source.meta.name, low), low)
@@ -122,7 +123,7 @@ def fork_pins(storage: object, logs: list[DiskLog]) -> dict[str, int]:
 class Retention:
     def __init__(
         self,
-        storage: object,
+        storage: Storage,
         rules: list[RetentionRule],
         *,
         interval: float = 30.0,
@@ -145,6 +146,7 @@ class Retention:
         self.bytes_dropped = 0
 
     async def run(self) -> None:
+        await self.storage.recovered()  # what a fork not read yet needs must not be dropped
         while True:
             await trio.sleep(self.interval)
             await self.pass_once()
@@ -152,7 +154,7 @@ class Retention:
     async def pass_once(self) -> None:
         """One pass over every stream; a failure on one stream is logged once and retried next pass."""
         storage = self.storage
-        logs: list[DiskLog] = storage.logs()  # type: ignore[attr-defined]
+        logs: list[DiskLog] = storage.logs()  # type: ignore[assignment]  # disk storage's
         pins = fork_pins(storage, logs)
         # Forks that exist on disk, per source. A source counting more is having one created
         # right now (attached, files not yet written): nothing of it is dropped this pass.

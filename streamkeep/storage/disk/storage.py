@@ -2,7 +2,9 @@
 kept by a `DiskLog` (log.py); this module is the storage around them.
 
 It creates and deletes streams, recovers them at start, runs the committer and interval syncs,
-and recovers from an unclean stop. A delete first lets the commits already accepted land (they
+and recovers from an unclean stop. A large directory can be served before all of it is read
+(`start(serve_after=...)`): each stream not read yet is read the moment it is first asked for,
+the rest in the background. A delete first lets the commits already accepted land (they
 happened before the delete), then takes the stream's I/O lock, so an append racing a DELETE
 either lands in the old stream or is answered 404, and the stream's descriptor is closed before
 its files go: nothing stays open on a deleted file.
@@ -24,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import trio
+import trio.lowlevel
 
-from streamkeep.background import supervised
+from streamkeep.background import Backoff, supervised
 from streamkeep.health import Health
+from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
@@ -37,11 +41,20 @@ from streamkeep.storage.disk.directory import DataDirectory, FormatError
 from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log import DiskLog
 from streamkeep.storage.disk.meta import encode_meta
-from streamkeep.storage.disk.recovery import Loaded, RecoveryReport, recover
+from streamkeep.storage.disk.recovery import (
+    DAMAGE,
+    Loaded,
+    RecoveryReport,
+    list_streams,
+    read_stream,
+    recover,
+    skip,
+)
 from streamkeep.storage.disk.tiering import ColdTier
 from streamkeep.storage.disk.writer import ReadOnly, SegmentLimits
 from streamkeep.storage.errors import (
     StorageUnavailable,
+    as_protocol_error,
     below_reserve,
     from_os_error,
     not_durable,
@@ -57,6 +70,10 @@ RunSync = Callable[..., Awaitable[Any]]
 # Each stream log's cache of its newest records (index.TailCache), in bytes: live readers and
 # catch-ups near the tail are served without touching the disk.
 READ_CACHE_BYTES = 256 << 10
+
+# While streams are read in the background the event loop reads for at most this long at a time,
+# so requests wait no longer than that between reads.
+BACKGROUND_READ_SLICE = 0.005
 
 
 class DiskStorage:
@@ -77,6 +94,7 @@ class DiskStorage:
         min_free_bytes: int = 0,
         fs: FileSystem = files.OS,
         run_sync: RunSync | None = None,
+        read_slice_streams: int | None = None,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}")
@@ -97,6 +115,12 @@ class DiskStorage:
         self._limiter = trio.CapacityLimiter(io_threads)
         self._run_sync: RunSync = run_sync or trio.to_thread.run_sync
         self._logs: dict[str, DiskLog] = {}
+        # Streams found at start and not read yet (`start(serve_after=...)`), by name.
+        self._unread: dict[str, Path] = {}
+        self._all_read = trio.Event()
+        self.recovery = RecoveryReport()
+        self._repair_when_read = False  # a crash under fsync=interval: see _after_a_crash
+        self._read_slice_streams = read_slice_streams  # None: BACKGROUND_READ_SLICE of time
         self.root_fd = -1
         self.health = Health()
         self.committer = Committer(
@@ -113,15 +137,23 @@ class DiskStorage:
     async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._run_sync(fn, *args, limiter=self._limiter)
 
-    async def start(self, nursery: trio.Nursery) -> RecoveryReport:
-        """Recovers every stream from disk, then starts committing (and syncing, fsync=interval)."""
+    async def start(self, nursery: trio.Nursery, *, serve_after: float | None = None) -> RecoveryReport:
+        """Recovers every stream from disk, then starts committing (and syncing, fsync=interval).
+
+        With `serve_after` (seconds) it returns once every stream is named and as many as it could
+        read in that time are read: the others are read when first asked for (`open`) or by the
+        background task this starts, and `recovered()` says when all are. A failover to a member
+        with 100,000 streams then serves within seconds instead of after all of them are read."""
         version = await self.run_io(self.directory.open)
         if version != layout.FORMAT_VERSION:
             raise FormatError(
                 f"{self.root} is in format {version}; this version needs format {layout.FORMAT_VERSION}: "
                 "run `streamkeep migrate` (or start with `streamkeep serve`, which upgrades it)"
             )
-        report = await self.run_io(self._recover_all)
+        if serve_after is None:
+            report = await self.run_io(self._recover_all)
+        else:
+            report = await self.run_io(self._name_and_read, serve_after)
         self.root_fd = await self.run_io(self.fs.open, self.root, os.O_RDONLY)
         try:
             unclean = await self.run_io(self.directory.mark_running)
@@ -132,6 +164,10 @@ class DiskStorage:
             unclean = True
         if unclean:
             await self._after_a_crash()
+        if self._unread:
+            nursery.start_soon(supervised, "recovery", self._read_the_rest, self.health)
+        else:
+            self._all_read.set()
         nursery.start_soon(supervised, "committer", self.committer.run, self.health)
         if self.fsync == "interval":
             nursery.start_soon(supervised, "interval sync", self._sync_loop, self.health)
@@ -149,10 +185,15 @@ class DiskStorage:
         except OSError as error:
             self.health.failed("crash recovery sync", str(error))
         if self.fsync == "interval":
+            self._repair_when_read = True  # streams read later (serve_after) are marked as read
             for stream_log in self._logs.values():
-                stream_log.writer.needs_repair = True
-                stream_log.writer.synced_size = None
-                stream_log.dirty = True
+                self._repair_at_first_sync(stream_log)
+
+    @staticmethod
+    def _repair_at_first_sync(stream_log: DiskLog) -> None:
+        stream_log.writer.needs_repair = True
+        stream_log.writer.synced_size = None
+        stream_log.dirty = True
 
     async def stop(self) -> None:
         """At shutdown, once nothing else runs: syncs what fsync=interval/never left unsynced (a
@@ -203,13 +244,33 @@ class DiskStorage:
     # ---- the Storage interface --------------------------------------------------------
 
     def open(self, name: str) -> DiskLog | None:
-        return self._logs.get(name)
+        stream_log = self._logs.get(name)
+        if stream_log is None and name in self._unread:  # asked for before the background read it
+            stream_log = self._read_now(name)
+        return stream_log
 
     def logs(self) -> list[DiskLog]:
+        """The streams read so far (all of them once `recovered()` returned)."""
         return list(self._logs.values())
 
     def names(self) -> list[str]:
-        return list(self._logs)
+        return [*self._logs, *self._unread]
+
+    def unread(self) -> int:
+        return len(self._unread)
+
+    async def recovered(self) -> None:
+        """Returns once every stream found at start is read. Work over all streams (the TTL
+        sweep, retention, the cold tier, the registry's reconcile, listings, deletes) waits for it."""
+        await self._all_read.wait()
+
+    def still_reading(self) -> StorageUnavailable:
+        """The answer to what waited too long for `recovered`."""
+        return StorageUnavailable(
+            f"the server is still reading {len(self._unread)} streams from disk after a start; retry shortly",
+            status=503,
+            code="recovering",
+        )
 
     async def create(self, meta: StreamMeta, messages: list[bytes]) -> DiskLog:
         added = sum(len(m) for m in messages)
@@ -312,6 +373,7 @@ class DiskStorage:
             "free_bytes": free,
             "min_free_bytes": self.min_free_bytes,
             "commit_rounds": self.committer.rounds,
+            "streams_unread": len(self._unread),  # found at start, not read yet (serving early)
             **self.health.stats(),
             "read_only_streams": sorted(n for n, s in self._logs.items() if s.writer.read_only is not None),
         }
@@ -334,7 +396,99 @@ class DiskStorage:
         report = recover(self.fs, self.directory, self._adopt)
         self._link_forks(report)
         report.bytes = self.budget.total_bytes
+        self.recovery = report
         return report
+
+    def _name_and_read(self, budget: float) -> RecoveryReport:
+        """Names every stream, then reads streams for up to `budget` seconds (in a thread, before
+        anything is served)."""
+        report = self.recovery
+        started = time.monotonic()
+        found = list_streams(self.fs, self.directory, report)
+        self._unread = {
+            name: path for name, path in found.items() if name not in self._logs
+        }  # a retried start
+        failed = 0
+        while self._unread and time.monotonic() - started < budget and failed < len(self._unread):
+            try:
+                self._read_now(next(iter(self._unread)))
+            except ProtocolError:  # a read that failed goes last; failing every one, it stops
+                failed += 1
+        if not self._unread:
+            self._finish_recovery()
+        report.seconds = time.monotonic() - started
+        return report
+
+    async def _read_the_rest(self) -> None:
+        """Reads the streams nobody asked for yet, on the event loop in slices (a thread would
+        race with `open` reading the same stream, and recovery cuts torn tails), then finishes
+        what needs every stream read. A stream whose read failed is tried again after the others,
+        with a backoff while every remaining one fails."""
+        started = time.monotonic()
+        pause = Backoff()
+        total = len(self._unread) + self.recovery.streams
+        told = self.recovery.streams
+        counted = self._read_slice_streams
+        while self._unread:
+            progress = False
+            slice_ends, in_slice = time.perf_counter() + BACKGROUND_READ_SLICE, 0
+            for name in list(self._unread):
+                if name not in self._unread:
+                    continue  # read meanwhile, for a request
+                try:
+                    self._read_now(name)
+                    progress = True
+                except ProtocolError:
+                    pass
+                in_slice += 1
+                if in_slice == counted or (counted is None and time.perf_counter() >= slice_ends):
+                    await trio.lowlevel.checkpoint()
+                    slice_ends, in_slice = time.perf_counter() + BACKGROUND_READ_SLICE, 0
+                    if self.recovery.streams - told >= 10_000:
+                        told = self.recovery.streams
+                        log.info("recovery: %d of %d streams read", told, total)
+            if self._unread:  # every one left failed this pass: wait a while before the next
+                await trio.sleep(0 if progress else pause.failed())
+        self._finish_recovery()
+        self._all_read.set()
+        self.recovery.seconds += time.monotonic() - started
+        self.health.ok("recovery")
+        report = self.recovery
+        log.info(
+            "recovered %d streams (%d appends, %d bytes) in %.2f s while serving; %d repaired, %d skipped",
+            report.streams,
+            report.records,
+            report.bytes,
+            report.seconds,
+            len(report.repaired),
+            len(report.skipped),
+        )
+
+    def _read_now(self, name: str) -> DiskLog | None:
+        """Reads one stream found at start and adopts it (its fork source first). An OSError
+        leaves it to be read again and is answered 503: a failing disk is not a damaged stream."""
+        path = self._unread.pop(name)
+        report = self.recovery
+        try:
+            loaded = read_stream(self.fs, path, report)
+        except OSError as error:
+            self._unread[name] = path
+            self.health.failed("recovery", f"reading {name!r}: {error}")
+            raise as_protocol_error(from_os_error(error, f"reading {name!r} at start"), name) from None
+        except DAMAGE as error:
+            skip(report, path, error)
+            return None
+        if loaded.meta.name != name:
+            log.warning("recovery: %s holds %r, not %r as its name says", path, loaded.meta.name, name)
+        stream_log = self._adopt(loaded)
+        report.streams += 1
+        stream_log.meta.fork_count += len(stream_log.meta.remote_forks)
+        self._link_to_source(stream_log, report)
+        return self._logs.get(name)
+
+    def _finish_recovery(self) -> None:
+        self._finish_cascading_deletes(self.recovery)
+        self.recovery.bytes = self.budget.total_bytes
 
     def _adopt(self, loaded: Loaded) -> DiskLog:
         stream_log = DiskLog(self, loaded.directory, loaded.meta)
@@ -349,6 +503,8 @@ class DiskStorage:
         if self.fsync == "always":  # what recovery read was synced before it was acknowledged
             stream_log.writer.synced_size = stream_log.active_segment.size
         stream_log.writer.needs_repair = loaded.needs_repair
+        if self._repair_when_read:
+            self._repair_at_first_sync(stream_log)
         self._logs[stream_log.meta.name] = stream_log
         self.budget.total_bytes += stream_log.tail - stream_log.held_from
         return stream_log
@@ -359,30 +515,53 @@ class DiskStorage:
         own count by their pins (`remote_forks`), which the cluster's reconcile keeps true."""
         for stream_log in self._logs.values():
             stream_log.meta.fork_count += len(stream_log.meta.remote_forks)
-        for stream_log in self._logs.values():
-            source = stream_log.meta.forked_from
-            if source is None or (self.remote is not None and self.remote.elsewhere(source)):
-                continue
-            parent = self._logs.get(source)
-            if parent is None:
-                log.error(
-                    "recovery: fork %r has lost its source %r; its inherited range cannot be read",
-                    stream_log.meta.name,
-                    source,
-                )
-                report.skipped.append(f"{stream_log.meta.name}: source {source!r} missing")
-                continue
-            if parent.published_tail < stream_log.meta.fork_base:
-                log.error(
-                    "recovery: fork %r inherits up to position %d of %r, which ends at %d; reads of "
-                    "the missing range will fail",
-                    stream_log.meta.name,
-                    stream_log.meta.fork_base,
-                    source,
-                    parent.published_tail,
-                )
-                report.skipped.append(f"{stream_log.meta.name}: source {source!r} ends before the fork point")
-            parent.meta.fork_count += 1
+        for stream_log in list(self._logs.values()):
+            self._link_to_source(stream_log, report)
+        self._finish_cascading_deletes(report)
+
+    def _link_to_source(self, stream_log: DiskLog, report: RecoveryReport) -> None:
+        """Counts a fork in its source's forks (reading the source now if it is not read yet)."""
+        source = stream_log.meta.forked_from
+        if source is None or (self.remote is not None and self.remote.elsewhere(source)):
+            return
+        parent = self._logs.get(source)
+        if parent is None and source in self._unread:
+            try:
+                parent = self._read_now(source)
+            except ProtocolError:  # not readable now: the fork is read again later, with it
+                self._drop_unlinked(stream_log)
+                raise
+        if parent is None:
+            log.error(
+                "recovery: fork %r has lost its source %r; its inherited range cannot be read",
+                stream_log.meta.name,
+                source,
+            )
+            report.skipped.append(f"{stream_log.meta.name}: source {source!r} missing")
+            return
+        if parent.published_tail < stream_log.meta.fork_base:
+            log.error(
+                "recovery: fork %r inherits up to position %d of %r, which ends at %d; reads of "
+                "the missing range will fail",
+                stream_log.meta.name,
+                stream_log.meta.fork_base,
+                source,
+                parent.published_tail,
+            )
+            report.skipped.append(f"{stream_log.meta.name}: source {source!r} ends before the fork point")
+        parent.meta.fork_count += 1
+
+    def _drop_unlinked(self, stream_log: DiskLog) -> None:
+        """Takes back the adoption of a fork whose source could not be read (it is read again)."""
+        name = stream_log.meta.name
+        del self._logs[name]
+        self.budget.total_bytes -= stream_log.tail - stream_log.held_from
+        self.recovery.streams -= 1
+        self._unread[name] = stream_log.directory
+
+    def _finish_cascading_deletes(self, report: RecoveryReport) -> None:
+        """A soft-deleted stream that no fork reads any more is removed (a crash came between its
+        last fork's delete and its own)."""
         removed = True
         while removed:
             removed = False
@@ -395,6 +574,7 @@ class DiskStorage:
                     ) as error:  # a full or failing disk: it stays soft-deleted until the next start
                         log.warning("recovery: %s: cannot finish deleting it now: %s", name, error)
                         continue
+                    stream_log.deleted = True  # served early, an actor may hold it (a 410 answered)
                     del self._logs[name]
                     self.budget.total_bytes -= stream_log.tail - stream_log.held_from
                     parent = self._logs.get(stream_log.meta.forked_from or "")
