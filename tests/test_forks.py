@@ -148,3 +148,25 @@ def test_a_create_on_a_source_that_expires_under_it_is_a_conflict(fork_server: S
         assert read(client, "expiring-fork").content == b"S;"  # the fork still reads its source
         assert client.delete("/v1/stream/expiring-fork").status_code == 204
         assert client.put("/v1/stream/expiring-src", headers=CT).status_code == 201  # free now
+
+
+def test_the_first_request_to_an_expired_source_with_forks_hears_what_later_ones_do(
+    fork_server: ServerProcess,
+) -> None:
+    """The request that finds a forked source expired soft-deletes it and answers 410, as every
+    request after it does (it answered 404 once, then 410: torture, seed 200 replicated)."""
+    with httpx.Client(base_url=fork_server.url) as client:
+        assert (
+            client.put("/v1/stream/ttl-src", content=b"S;", headers={**CT, "Stream-TTL": "1"}).status_code
+            == 201
+        )
+        fork_headers = {**CT, "Stream-Forked-From": "/v1/stream/ttl-src", "Stream-TTL": "60"}
+        assert client.put("/v1/stream/ttl-fork", headers=fork_headers).status_code == 201
+        time.sleep(2.2)  # past the source's TTL, with no request touching it meanwhile
+        for _ in range(2):
+            answer = client.post("/v1/stream/ttl-src", content=b"late;", headers=CT)
+            assert answer.status_code == 410 and answer.json()["error"]["code"] == "stream_deleted", (
+                answer.text
+            )
+        assert read(client, "ttl-fork").content == b"S;"
+        assert client.delete("/v1/stream/ttl-fork").status_code == 204

@@ -231,6 +231,8 @@ class StreamOps:
         if stream_log is not None and not stream_log.meta.soft_deleted and stream_log.meta.expired(now):
             log.info("stream %r expired", self.name)
             await self._remove(stream_log)
+            if stream_log.meta.soft_deleted:  # forks read it: 410, as every later request hears
+                raise _gone(self.name)
             raise not_found(self.name)
         return self._existing_now(now)
 
