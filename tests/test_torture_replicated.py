@@ -5,7 +5,8 @@ pause, a partition, an etcd member killed); about 90 s in all. It needs root (a 
 
 The first tests make sure the slice did what it claims (each fault kind happened, owners changed,
 appends were acknowledged, the end-of-run comparisons ran), so the last, "no findings", cannot pass
-by doing nothing. The judge of owners per epoch is also shown to fail on a made-up history.
+by doing nothing. The judge of owners per epoch is also shown to fail on a made-up history, and
+the model's rule for a sliding TTL across a failover is shown on two.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ops.torture.model import RunConfig
 from ops.torture.operations.replication import ROLES
 from ops.torture.partition import iptables
 from ops.torture.replicated import KINDS, replica_faults, run
+from tests.test_torture_checker import Script, tok
 
 # The issue's faults (and a disk loss whose surviving copy is killed at once). Not "split" (a machine
 # cut off from etcd and its peers, not from HAProxy): a deposed owner answers stale reads for a second
@@ -103,3 +105,34 @@ def test_two_owners_in_one_epoch_is_a_finding() -> None:
     kinds = sorted(f.kind for f in summary.findings)
     assert kinds == ["epoch-back", "two-owners"], summary.findings
     assert summary.checks["one-owner-per-epoch"] == 5
+
+
+def test_a_failover_forgets_reads_touches_of_a_sliding_ttl_when_it_begins() -> None:
+    """Seed 200 (30 minutes): a TTL stream read on its owner, the owner cut off, the promoted
+    follower answered 404 (its copy counts the TTL from the stream's last record) long before the
+    member's "restart" closed its down window. Reads' touches are forgotten from the kill on."""
+
+    def history(failover: bool) -> list[str]:
+        s = Script()
+        params = {"content_type": "text/plain", "ttl": 5, "expires_at": None, "closed": False}
+        put = Call("PUT", "/v1/stream/ttl/0", headers={"Content-Type": "text/plain", "Stream-TTL": "5"})
+        s.op("create", "ttl/0", put, Outcome(201, {"stream-next-offset": tok(101, 0)}), params, at=0.0)
+        headers = {
+            "stream-next-offset": tok(101, 0),
+            "content-type": "text/plain",
+            "stream-up-to-date": "true",
+        }
+        read = Call("GET", "/v1/stream/ttl/0", query={"offset": "-1"})
+        s.op("read", "ttl/0", read, Outcome(200, headers), {"offset": "-1"}, at=3.0, took=0.1)
+        if failover:  # ttl/0 lives on m0; the restart comes 3 s after the promoted one serves
+            s.history.fault("kill", member="m0", cause="partition")
+        gone = json.dumps({"error": {"code": "stream_not_found", "message": "stream 'ttl/0' does not exist"}})
+        s.op("read", "ttl/0", read, Outcome(404, body=gone), {"offset": "-1"}, at=5.6, took=0.1)
+        if failover:
+            s.clock = 9.0
+            s.history.fault("restart", member="m0")
+        config = RunConfig(cold=False, members=("m0", "m1", "m2"))
+        return [f.kind for f in check_history(s.history.events, config).findings]
+
+    assert history(failover=True) == []
+    assert history(failover=False) == ["wrong-status"]  # 5.6 s after the create, 2.6 s after the read

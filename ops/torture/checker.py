@@ -98,6 +98,7 @@ class Checker:
             self.model.faults.add(event)
             if event.kind == "restart":
                 self.model.restarted(event)  # again in time order, from the queue
+            self.model.member_lost(event)  # likewise: a member's failover forgets reads' touches
             heapq.heappush(self._queue, (event.time, next(self._order), event))
         self._drain()
 

@@ -896,7 +896,7 @@ class Model:
             value.get("headers", {}).get("operation") if isinstance(value.get("headers"), dict) else None
         )
         append = self.appends.get(change[1]) if change is not None and change[1] else None
-        key = _change_key(append, change[1]) if append is not None and change is not None else None
+        key = _change_key(append, change[1] or "") if append is not None and change is not None else None
         # A fork's state begins with its source's: the changes of its chain count.
         names = {i.name for i in inc.chain()}
         if (
@@ -919,7 +919,7 @@ class Model:
         self.checks["records-parsed"] += 1
         record_id = unit.record_id
         append = self.appends.get(record_id) if record_id else None
-        if append is None:
+        if append is None or not record_id:
             self.finding(
                 "foreign-bytes",
                 f"{inc.label()}: position {unit.position} holds {data[:60]!r}, which no client sent",
@@ -1031,6 +1031,7 @@ class Model:
         if fault.kind == "restart":
             self.restarts.append(fault.time)
             self.restarted(fault)
+        self.member_lost(fault)  # again in time order (the checker applies it when it hears of it)
         if fault.kind == "s3_wipe":
             for inc in self.all_incs:
                 if inc.cold_wiped_at is None:
@@ -1055,6 +1056,35 @@ class Model:
                 continue
             inc.touched_lo = inc.touched_lo_write
             inc.touched_hi = max(inc.touched_hi, fault.time)
+
+    def member_lost(self, fault: Fault) -> None:
+        """A cluster member's down window opens (a replica or process of it killed, paused, cut
+        off): whatever serves its streams next recovered them from disk, and reads' touches of a
+        sliding TTL live only in the memory of the process that served them. In a replicated run
+        that next one may be the promoted follower, which answers long before the window closes
+        (the "restart" comes once a replica has served for 3 s without a break,
+        `ReplicatedRun.await_members`), so forgetting reads' touches at the restart (`restarted`)
+        was too late. Seed 200 (30 minutes): ttl/0, created closed with a TTL of 7 s at 879.95,
+        read at 881.61 on m0b; m0b cut off at 883.38, m0a promoted and answered a read at 887.97
+        404 (expired by its creation, the last access its copy knew), which the model, still
+        counting the read's touch, took for a live stream; likewise ttl/1 at 978.27 and 1550.46
+        and ttl/0 at 1023.66. So reads' touches are forgotten when the window opens, and a read
+        that overlaps a window of its member never counts (`read_touch_lasts`). Only widens."""
+        member = fault.detail.get("member")
+        if member is None or self.cluster is None or fault.kind not in contract.WINDOWS["down"][0]:
+            return
+        for inc in self.all_incs:
+            if self.cluster.owner(inc.name) == member:
+                inc.touched_lo = inc.touched_lo_write
+
+    def read_touch_lasts(self, inc: Incarnation, start: float) -> bool:
+        """Whether the touch of a read that started at `start` survives whatever comes: not in a
+        cluster run where the stream's member has a down window that had not closed before it
+        (`member_lost`). A write's touch does: an acknowledged record carries its time to every
+        copy, and recovery counts the TTL from the last record."""
+        if self.cluster is None:
+            return True
+        return not self.faults.member_down(self.cluster.owner(inc.name), start, math.inf)
 
     def _disk_replaced(self, fault: Fault) -> None:
         """The operator gave a bricked server an empty data directory: every stream is gone, and

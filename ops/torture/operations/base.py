@@ -199,12 +199,15 @@ def expect_status(
 def touch(
     model: Model, started: OpStarted, ended: OpEnded, states: set[State], inc: Incarnation | None, write: bool
 ) -> None:
-    """The sliding TTL: an answered read or write surely touched the stream; any attempt may have."""
+    """The sliding TTL: an answered read or write surely touched the stream; any attempt may have.
+    A read's touch lives in the serving process only: in a cluster run it does not count while its
+    member may fail over or restart before the touch's TTL runs out (`Model.read_touch_lasts`)."""
     for state in states:
         if state.inc is not None:
             state.inc.touched_hi = max(state.inc.touched_hi, ended.time)
     if inc is not None and ended.outcome.verdict == OK:
-        inc.touched_lo = max(inc.touched_lo, started.time)
+        if write or model.read_touch_lasts(inc, started.time):
+            inc.touched_lo = max(inc.touched_lo, started.time)
         if write:
             inc.touched_lo_write = max(inc.touched_lo_write, started.time)
 
@@ -315,5 +318,5 @@ def register_body(model: Model, started: OpStarted) -> SentAppend | None:
         to_bytes(p["stored"]),
         p["record_ids"],
         producer,
-        started,  # type: ignore[arg-type]
+        started,
     )
