@@ -179,6 +179,8 @@ bench-spark: $(VENV_STAMP)
 
 ## A soak under stream churn: are the server's descriptors and memory flat? (not part of `make test`)
 ## make soak DURATION=30 (minutes) ARGS="--cold"
+## A replicated cluster (every replica, etcd, HAProxy and the supervisor sampled, a verdict each):
+## make soak DURATION=120 ARGS="--replicas 2 --writers 4 --readers 4"   (--processes N: members, default 2)
 DURATION ?= 30
 soak: $(VENV_STAMP)
 	$(PY) -m ops.soak --minutes $(DURATION) $(ARGS)

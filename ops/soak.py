@@ -1,6 +1,7 @@
 """Soak under churn: does the server hold its descriptors and memory flat over time?
 
     python -m ops.soak --minutes 30 [--cold] [--seed N] [--tracemalloc]   (make soak DURATION=30)
+    python -m ops.soak --minutes 120 --replicas 2 [--processes 2] --writers 4 --readers 4
 
 Starts a real `streamkeep serve` (disk storage in a temporary directory; with `--cold` also a moto
 S3 server and the cold tier, with small segments so rotation and uploads never stop), then runs a
@@ -18,6 +19,15 @@ Exit status 1 unless flat and no 5xx. It also prints the slope of RSS over the l
 squares, KiB per minute) beside the streams created per minute, so a slow leak shows as bytes per
 stream created. `--tracemalloc` runs the server under tracemalloc (ops/traced_serve.py; about half
 as fast) and prints where the memory kept between the middle and the end of the run was allocated.
+
+`--replicas 2` soaks a replicated cluster instead: `streamkeep cluster run --processes N --replicas 2
+--fsync always` (its own etcd and HAProxy; disk storage in a temporary directory), waits until every
+member's follower is in sync, and points the churn at the front door. Every sample then covers
+every process of the cluster, found as the children of the `cluster run` supervisor: each member's
+two replicas (owner and follower: `m0a`, `m0b`, ...), etcd, HAProxy, and the supervisor itself.
+The verdict holds per process (one that grows fails the run), with a table of them and each one's
+RSS slope. A replica the supervisor restarts is a finding (it fails the run) and its new process is
+a new series (`m0a#2`). At the end the followers must be in sync again within a minute.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,7 +231,18 @@ class Churn:
                     continue
 
 
-def run(  # type: ignore[no-untyped-def]
+def start_churn(
+    url: str, seed: int, tally: Tally, stop: threading.Event, writers: int, readers: int
+) -> list[threading.Thread]:
+    churn = Churn(url, seed, tally, stop)
+    threads = [threading.Thread(target=churn.writer, args=(i,), daemon=True) for i in range(writers)]
+    threads += [threading.Thread(target=churn.reader, args=(i,), daemon=True) for i in range(readers)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def run(
     minutes: float,
     seed: int,
     cold: bool,
@@ -260,11 +282,7 @@ def run(  # type: ignore[no-untyped-def]
             server: ServerProcess = launch([*command, "serve", "--port", "0", *args], env=env, timeout=60)
         else:
             server = start(*args, env=env)
-        churn = Churn(server.url, seed, tally, stop)
-        threads = [threading.Thread(target=churn.writer, args=(i,), daemon=True) for i in range(writers)]
-        threads += [threading.Thread(target=churn.reader, args=(i,), daemon=True) for i in range(readers)]
-        for thread in threads:
-            thread.start()
+        threads = start_churn(server.url, seed, tally, stop, writers, readers)
         started = time.monotonic()
         samples: list[Sample] = []
         out(
@@ -316,6 +334,278 @@ def run(  # type: ignore[no-untyped-def]
     return flat and not errors, samples, tally
 
 
+# ---- a replicated cluster (`--replicas 2`) ------------------------------------------------------
+
+
+def cluster_command(data: Path, processes: int) -> list[str]:
+    """`cluster run --replicas 2` with the single server's serve flags (disk storage, small
+    segments, short long-polls), every commit synced on both replicas."""
+    return [
+        sys.executable, "-m", "streamkeep", "cluster", "run", "--processes", str(processes),
+        "--replicas", "2", "--port", "0", "--data-dir", str(data / "cluster"), "--fsync", "always",
+        "--no-ui", "--storage", "disk", "--segment-max-bytes", "256KiB", "--long-poll-timeout", "5",
+    ]  # fmt: skip
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (by /proc/*/stat: this kernel has no task/*/children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def argument(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+
+def process_name(args: list[str]) -> str:
+    """A replica by its `--replica` (m0a, m0b, ...); anything else by its program (etcd, haproxy)."""
+    return argument(args, "--replica") or Path(args[0]).name
+
+
+def cluster_processes(supervisor: int) -> list[tuple[str, int]]:
+    """The supervisor and its children, by name. A child between fork and exec still shows the
+    supervisor's command line: left out."""
+    own = cmdline(supervisor)
+    found = [("supervisor", supervisor)]
+    for pid in children(supervisor):
+        args = cmdline(pid)
+        if args and args != own:
+            found.append((process_name(args), pid))
+    return found
+
+
+def follower_in_sync(url: str) -> dict[str, bool]:
+    """Per member: its owner says its follower is in sync (the front door's /stats?cluster=1, as
+    tests/test_replication_cluster.py's `Cluster.stats` reads it)."""
+    with httpx.Client(timeout=3) as client:
+        views = client.get(f"{url}/stats?cluster=1").json()["members"]
+    return {
+        member: isinstance(view, dict) and bool((view.get("replication") or {}).get("follower_in_sync"))
+        for member, view in views.items()
+    }
+
+
+def wait_redundant(url: str, members: int, seconds: float) -> dict[str, bool]:
+    """Until every member's follower is in sync (`Cluster.wait_redundant` of the tests, for any
+    number of members); the last view either way."""
+    deadline = time.monotonic() + seconds
+    last: dict[str, bool] = {}
+    while time.monotonic() < deadline:
+        try:
+            last = follower_in_sync(url)
+        except (httpx.HTTPError, KeyError, ValueError):
+            last = {}
+        if len(last) == members and all(last.values()):
+            break
+        time.sleep(0.5)
+    return last
+
+
+def replica_roles(supervisor: int) -> dict[str, str]:
+    """Each replica's role now: the owner answers /healthz on its address, a follower does not listen."""
+    roles = {}
+    for pid in children(supervisor):
+        args = cmdline(pid)
+        name, host, port = argument(args, "--replica"), argument(args, "--host"), argument(args, "--port")
+        if name is None or host is None or port is None:
+            continue
+        try:
+            answer = httpx.get(f"http://{host}:{port}/healthz", timeout=2)
+            roles[name] = "owner" if answer.status_code == 200 else f"follower ({answer.status_code})"
+        except httpx.HTTPError:
+            roles[name] = "follower"
+    return dict(sorted(roles.items()))
+
+
+@dataclass
+class Watch:
+    """Every process's samples, one series per process: a process that takes the place of another
+    of the same name (the supervisor restarted it) starts a new series, `m0a#2`, and is a restart."""
+
+    started: float
+    series: dict[str, list[Sample]] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)  # series -> its process
+    latest: dict[str, str] = field(default_factory=dict)  # name -> its current series
+    restarts: list[str] = field(default_factory=list)
+
+    def label(self, name: str, pid: int) -> str:
+        current = self.latest.get(name)
+        if current is not None and self.pids[current] == pid:
+            return current
+        label = name
+        if current is not None:
+            label = f"{name}#{sum(1 for known in self.pids if known.split('#')[0] == name) + 1}"
+            at = time.monotonic() - self.started
+            self.restarts.append(f"{name}: pid {self.pids[current]} -> {pid} (series {label}) by {at:.0f} s")
+        self.latest[name], self.pids[label] = label, pid
+        return label
+
+    def take(self, processes: list[tuple[str, int]], tally: Tally) -> dict[str, Sample]:
+        taken = {}
+        for name, pid in processes:
+            try:
+                current = sample(pid, self.started, tally)
+            except (OSError, KeyError):  # it ended between the listing and the sample
+                continue
+            label = self.label(name, pid)
+            self.series.setdefault(label, []).append(current)
+            taken[label] = current
+        return taken
+
+
+def sample_line(taken: dict[str, Sample]) -> str:
+    first = next(iter(taken.values()))
+    parts = [f"{label} {s.rss_kib / 1024:.1f}M/{s.fds}fd" for label, s in sorted(taken.items())]
+    return f"  {first.at:7.0f} s  requests {first.requests}  creates {first.creates}  | " + "  ".join(parts)
+
+
+def process_row(label: str, pid: int, role: str, samples: list[Sample]) -> tuple[str, bool]:
+    """One row of the per-process table, and whether the process held flat (a series too short
+    for a verdict, a restarted process's, does not fail by itself: its restart does)."""
+    flat, why = verdict(samples)
+    short = len(samples) < 6
+    third = max(1, len(samples) // 3)
+    middle, last = samples[third : 2 * third] or samples, samples[2 * third :] or samples
+    fds = f"{statistics.median(s.fds for s in middle):.0f} -> {statistics.median(s.fds for s in last):.0f}"
+    rss = (
+        f"{statistics.median(s.rss_kib for s in middle) / 1024:.1f} -> "
+        f"{statistics.median(s.rss_kib for s in last) / 1024:.1f}"
+    )
+    slope, creates = growth(samples)
+    per_stream = f"{slope * 1024 / creates:.0f}" if creates else "-"
+    said = "too short" if short else ("flat" if flat else f"NOT FLAT: {why}")
+    row = (
+        f"| {label} | {pid} | {role} | {len(samples)} | {fds} | {max(s.deleted_fds for s in samples)} "
+        f"| {rss} | {samples[0].rss_kib / 1024:.1f} -> {samples[-1].rss_kib / 1024:.1f} "
+        f"| {samples[-1].threads} | {slope:+.0f} | {per_stream} | {said} |"
+    )
+    return row, flat or short
+
+
+def trend(samples: list[Sample], points: int = 12) -> str:
+    return " ".join(f"{s.rss_kib / 1024:.1f}" for s in samples[:: max(1, len(samples) // points)])
+
+
+def cluster_report(watch: Watch, tally: Tally, roles: dict[str, str], out: Callable[[str], object]) -> bool:
+    """The per-process table and trends; whether every process held flat."""
+    out("")
+    out(
+        "| process | pid | role | samples | fds (median, middle -> last third) | max on deleted files "
+        "| RSS MiB (median, middle -> last third) | RSS MiB first -> last | threads "
+        "| RSS KiB/min (last half) | bytes per stream created | verdict |"
+    )
+    out("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    all_flat = True
+    for label, samples in sorted(watch.series.items()):
+        row, flat = process_row(label, watch.pids[label], roles.get(label.split("#")[0], ""), samples)
+        out(row)
+        all_flat = all_flat and flat
+    out("")
+    out("RSS MiB over the run (every ~1/12 of the samples):")
+    for label, samples in sorted(watch.series.items()):
+        out(f"  {label}: {trend(samples)}")
+    return all_flat
+
+
+def run_cluster(
+    minutes: float,
+    seed: int,
+    writers: int,
+    readers: int,
+    *,
+    processes: int = 2,
+    every: float = SAMPLE_EVERY,
+    out: Callable[[str], object] = print,
+) -> tuple[bool, Watch, Tally]:
+    """The soak on a replicated cluster (see the module docstring)."""
+    tally, stop = Tally(), threading.Event()
+    threads: list[threading.Thread] = []
+    with tempfile.TemporaryDirectory(prefix="soak-cluster-") as data:
+        cluster = launch(cluster_command(Path(data), processes), timeout=180)
+        supervisor = cluster.process.pid
+        watch = Watch(time.monotonic())
+        roles_before: dict[str, str] = {}
+        roles: dict[str, str] = {}
+        died = True
+        try:
+            synced = wait_redundant(cluster.url, processes, 180)
+            out(
+                f"soak: {minutes:g} min, seed {seed}, {writers} writers, {readers} readers, replicated "
+                f"cluster of {processes} members at {cluster.url} (data in {data}); followers in sync: {synced}"
+            )
+            roles_before = replica_roles(supervisor)
+            out(f"roles: {roles_before}")
+            threads = start_churn(cluster.url, seed, tally, stop, writers, readers)
+            watch.started = time.monotonic()
+            died = soak_cluster(cluster, watch, tally, minutes * 60, every, out)
+            roles = {} if died else replica_roles(supervisor)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=40)
+        synced_after = {} if died else wait_redundant(cluster.url, processes, 60)
+        cluster.stop(timeout=60)
+    exits = [line.strip() for line in cluster.output if " exited (" in line]
+    flat = cluster_report(watch, tally, roles, out)
+    errors = {status: n for status, n in tally.statuses.items() if status >= 500}
+    out("")
+    out(f"answers by status: {dict(sorted(tally.statuses.items()))}")
+    out(f"streams created: {tally.creates} ({tally.creates / minutes:.0f} a minute)")
+    out(f"roles at the start: {roles_before}; at the end: {roles}")
+    out(f"followers in sync after the churn: {synced_after}")
+    out(f"restarts: {watch.restarts or 'none'}")
+    for line in exits:
+        out(f"  supervisor: {line}")
+    in_sync = len(synced_after) == processes and all(synced_after.values())
+    ok = flat and not errors and not watch.restarts and not died and in_sync
+    reasons = [
+        "every process flat" if flat else "a process grew (see the table)",
+        "no 5xx" if not errors else f"5xx answers: {errors}",
+        "no restarts" if not watch.restarts else f"{len(watch.restarts)} restarts",
+        "followers in sync" if in_sync else "followers NOT in sync after the churn",
+    ]
+    if died:
+        reasons.append("the cluster died")
+    out(f"verdict: {'flat' if ok else 'NOT flat'}: {'; '.join(reasons)}")
+    return ok, watch, tally
+
+
+def soak_cluster(
+    cluster: ServerProcess,
+    watch: Watch,
+    tally: Tally,
+    seconds: float,
+    every: float,
+    out: Callable[[str], object],
+) -> bool:
+    """Samples every process each `every` seconds for `seconds`; True if the cluster died."""
+    while time.monotonic() - watch.started < seconds:
+        time.sleep(every)
+        if not cluster.alive:
+            out("the cluster died:\n" + "".join(cluster.output[-40:]))
+            return True
+        taken = watch.take(cluster_processes(cluster.process.pid), tally)
+        if taken:
+            out(sample_line(taken))
+    return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -330,8 +620,23 @@ def main() -> int:
         action="store_true",
         help="run the server under tracemalloc and say where memory grew",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="2: soak a replicated cluster (`cluster run --replicas 2`) through its front door",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=2, help="with --replicas 2: the cluster's members (default 2)"
+    )
     args = parser.parse_args()
-    ok, _, _ = run(args.minutes, args.seed, args.cold, args.writers, args.readers, traced=args.tracemalloc)
+    if args.replicas == 2:
+        if args.cold or args.tracemalloc:
+            parser.error("--cold and --tracemalloc are for the single server, not --replicas 2")
+        ok = run_cluster(args.minutes, args.seed, args.writers, args.readers, processes=args.processes)[0]
+    else:
+        ok = run(args.minutes, args.seed, args.cold, args.writers, args.readers, traced=args.tracemalloc)[0]
     return 0 if ok else 1
 
 

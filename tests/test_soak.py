@@ -35,3 +35,33 @@ def test_a_short_soak_samples_and_reports() -> None:
     )
     assert not {status for status in tally.statuses if status >= 500}, tally.statuses
     assert all(sample.deleted_fds <= 2 for sample in taken)
+
+
+def test_a_restarted_process_is_a_new_series_and_a_restart() -> None:
+    watch = soak.Watch(started=0.0)
+    assert watch.label("m0a", 100) == "m0a"
+    assert watch.label("m0a", 100) == "m0a"
+    assert watch.label("m0b", 101) == "m0b"
+    assert watch.label("m0a", 200) == "m0a#2"
+    assert watch.label("m0a", 200) == "m0a#2"
+    assert watch.label("m0a", 300) == "m0a#3"
+    assert len(watch.restarts) == 2 and watch.restarts[0].startswith("m0a: pid 100 -> 200")
+    assert watch.pids == {"m0a": 100, "m0b": 101, "m0a#2": 200, "m0a#3": 300}
+
+
+def test_cluster_processes_are_named_by_replica_or_program() -> None:
+    assert (
+        soak.process_name(["python", "-m", "streamkeep", "serve", "--replica", "m1b", "--port", "1"]) == "m1b"
+    )
+    assert soak.process_name(["/usr/sbin/haproxy", "-db", "-f", "x.cfg"]) == "haproxy"
+    assert soak.process_name(["/usr/bin/etcd", "--name", "etcd0"]) == "etcd"
+
+
+def test_the_per_process_row_fails_a_grower_but_not_a_short_series() -> None:
+    grows = samples([80] * 9, [40_000, 42_000, 44_000, 46_000, 48_000, 50_000, 53_000, 56_000, 59_000])
+    row, flat = soak.process_row("m0a", 1, "owner", grows)
+    assert not flat and "NOT FLAT" in row
+    row, flat = soak.process_row("m0a#2", 2, "follower", grows[:3])
+    assert flat and "too short" in row
+    row, flat = soak.process_row("etcd", 3, "", samples([20] * 9, [30_000] * 9))
+    assert flat and row.endswith("| flat |")
