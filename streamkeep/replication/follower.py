@@ -12,6 +12,8 @@ import logging
 import os
 import shutil
 import socket
+import threading
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
@@ -40,14 +42,38 @@ class Copy:
         files.unlink_quietly(files.OS, self.root / MARKER)
         self.root.mkdir(parents=True, exist_ok=True)
         files.fsync_dir(files.OS, self.root)  # the marker is gone before anything else goes
+        # What a large copy held (100,000 stream directories) takes minutes to unlink on a busy
+        # disk, while the owner waits for this copy's first acknowledgement: it is moved beside
+        # the directory (one rename per top-level entry) and removed in the background. Where it
+        # cannot be moved (the directory is a mount point), it is removed here.
+        doomed = self._aside()
         for entry in os.scandir(self.root):
             if entry.name in PRIVATE:
                 continue
+            if doomed is not None:
+                try:
+                    os.rename(entry.path, doomed / entry.name)
+                    continue
+                except OSError:
+                    pass
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)
             else:
                 os.unlink(entry.path)
         files.fsync_dir(files.OS, self.root)
+        for old in self.root.parent.glob(f".{self.root.name}.wiped-*"):  # this one, and any a crash left
+            threading.Thread(
+                target=shutil.rmtree, args=(old, True), name="replication-wipe", daemon=True
+            ).start()
+
+    def _aside(self) -> Path | None:
+        """A new directory beside the copy, for what a wipe moves out of it (None: none made)."""
+        aside = self.root.parent / f".{self.root.name}.wiped-{uuid.uuid4().hex[:8]}"
+        try:
+            aside.mkdir()
+        except OSError:
+            return None
+        return aside
 
     def close(self) -> None:
         for fd in self._fds.values():
