@@ -13,13 +13,16 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import unquote
 
 from streamkeep.cluster.placement import Member, Placement
 from streamkeep.segments import layout
+from streamkeep.segments.manifest import INDEX_SUFFIX
 from streamkeep.storage import files
+from streamkeep.storage.cold import describe
 from streamkeep.storage.cold.store import ColdConfig, S3Store
 from streamkeep.storage.disk import floor as floors
 from streamkeep.storage.disk import manifest
@@ -113,12 +116,15 @@ def status(settings: SimpleNamespace) -> int:
 def verify(
     settings: SimpleNamespace, *, delete_orphans: bool, orphan_min_age: float = DEFAULT_ORPHAN_MIN_AGE
 ) -> int:
-    """HEADs every object a manifest names, and lists objects no manifest names (orphans).
+    """HEADs every object a manifest names, checks that each stream with uploaded segments has its
+    description and sidecars (describe.py), and lists objects nothing names (orphans), under
+    `PREFIX/streams/` and `PREFIX/meta/` alike.
 
     An orphan is deleted (with `delete_orphans`) only when no live stream can still claim it: its
     stream is gone or is another incarnation now, or the object is older than `orphan_min_age`
     seconds. A younger object of a live stream may be an upload a running server has not yet
-    recorded in its manifest, so it is kept and reported.
+    recorded in its manifest, so it is kept and reported. A sidecar is judged as its segment is; a
+    live stream's description is never an orphan.
     """
     config = ColdConfig.from_settings(settings)
     if config is None:
@@ -147,11 +153,11 @@ def verify(
         )
         for _, _, directory in streams
     }
-    entries = [
-        (name, entry)
-        for name, _, directory in streams
-        for entry in manifest.load_manifest(files.OS, directory)
+    manifests = [
+        (name, stream_id, directory, manifest.load_manifest(files.OS, directory))
+        for name, stream_id, directory in streams
     ]
+    entries = [(name, entry) for name, _, _, stream_entries in manifests for entry in stream_entries]
     problems = 0
     for done, (name, entry) in enumerate(entries, 1):
         try:
@@ -162,35 +168,101 @@ def verify(
             problems += 1
             sys.stderr.write(f"\nMISMATCH {name}/{entry['file']} ({entry['key']}): {error}\n")
         _progress(done, len(entries), "verifying")
+    # Listed after the manifests were read: a sidecar reaches the bucket before its manifest entry
+    # is written (bookkeeping.record_upload), so every entry read has its sidecar listed here.
+    segment_objects = store.list_objects(config.root)
+    meta_objects = dict(store.list_objects(describe.meta_root(config.prefix)))
+    now = time.time()
+    companions = _check_companions(
+        config, manifests, meta_objects, dict(segment_objects), now=now, orphan_min_age=orphan_min_age
+    )
+    problems += len(companions.missing)
+    for line in companions.missing:
+        sys.stderr.write(f"MISSING {line}\n")
     known = {entry["key"] for _, entry in entries}
     live = {directory.name: stream_id for _, stream_id, directory in streams}
+    listed = dict(live)  # as `held` saw them
     doomed = (
         {key for _, keys in DataDirectory(files.OS, data_dir).pending_object_deletes() for key in keys}
         if (data_dir / layout.TRASH).is_dir()
         else set()
     )
-    now = time.time()
+    fresh: set[str] = set()
+
+    def live_id(stream_dir: str, stream_id: str | None) -> str | None:
+        """The id of the stream live in `stream_dir`. Read again (once) when an object does not
+        match what `live` says: the stream may have been created, or created again, since."""
+        if stream_dir not in fresh and live.get(stream_dir) != stream_id and not stream_dir.startswith("."):
+            fresh.add(stream_dir)
+            try:
+                meta = decode_meta(
+                    files.read_file(files.OS, data_dir / layout.STREAMS / stream_dir / layout.META)
+                )
+            except FileNotFoundError:
+                pass
+            else:
+                live[stream_dir] = meta.stream_id
+        return live.get(stream_dir)
+
+    # (key, modified, (stream dir, stream id, segment file) or None, the key of the segment it is or
+    # belongs to): what no manifest names, under both roots.
+    candidates: list[tuple[str, float, tuple[str, str | None, str | None] | None, str]] = [
+        (key, modified, layout.parse_cold_key(config.root, key), key)
+        for key, modified in segment_objects
+        if key not in known
+    ]
+    for key, modified in meta_objects.items():
+        meta_key = describe.parse_meta_key(config.prefix, key)
+        if meta_key is None:
+            candidates.append((key, modified, None, key))
+            continue
+        stream_dir, stream_id, file = meta_key
+        if file.endswith(layout.SEGMENT_SUFFIX + INDEX_SUFFIX):
+            segment_file = file[: -len(INDEX_SUFFIX)]
+            segment_key = config.key(stream_dir, stream_id, segment_file)
+            if segment_key not in known:  # not its segment's manifest entry (any more, or yet)
+                candidates.append((key, modified, (stream_dir, stream_id, segment_file), segment_key))
+        elif file != describe.STREAM_OBJECT or live_id(stream_dir, stream_id) != stream_id:
+            candidates.append((key, modified, (stream_dir, stream_id, None), key))
     orphans, kept, dropped = [], [], 0
     others = 0
-    for key, modified in store.list_objects(config.root):
-        if key in known:
-            continue
-        parsed = layout.parse_cold_key(config.root, key)
-        if parsed is not None and parsed[0] not in live and not owned(parsed[0]):
+    for key, modified, parsed, segment_key in candidates:
+        if parsed is not None and live_id(parsed[0], parsed[1]) is None and not owned(parsed[0]):
             others += 1  # another cluster member's stream: only its own verify can judge it
             continue
         claimed = parsed is not None and parsed[0] in live and parsed[1] in (None, live[parsed[0]])
-        if claimed and parsed is not None and _retained_away(parsed[2], *held[parsed[0]]):
+        if (
+            claimed
+            and parsed is not None
+            and parsed[2] is not None
+            and listed.get(parsed[0]) == live[parsed[0]]  # `held` is of that incarnation
+            and _retained_away(parsed[2], *held[parsed[0]])
+        ):
             dropped += 1  # its segment went with retention: no upload can be recording it
             orphans.append(key)
-        elif claimed and key not in doomed and now - modified < orphan_min_age:
+        elif claimed and segment_key not in doomed and now - modified < orphan_min_age:
             kept.append(key)
         else:
             orphans.append(key)
     print(
-        f"{len(entries)} manifest entries checked, {problems} problems; {len(orphans)} orphaned objects"
+        f"{len(entries)} manifest entries, {companions.descriptions} descriptions and "
+        f"{companions.sidecars} sidecars checked, {problems} problems; {len(orphans)} orphaned objects"
         + (f" ({dropped} of segments retention dropped)" if dropped else "")
     )
+    if companions.not_yet:
+        print(
+            f"{companions.not_yet} streams uploaded a segment in the last {orphan_min_age:.0f} s and have "
+            "no description in the bucket yet: a running server writes it after the upload (a stopped "
+            "one at its next start); missing once older"
+        )
+    if companions.legacy:
+        print(
+            f"{len(companions.legacy)} segments have no sidecar in the bucket and are older than every "
+            "segment of their stream that has one: uploaded before sidecars went to the bucket, so "
+            "`restore --from-bucket` downloads and indexes them instead"
+        )
+        for key in companions.legacy[:20]:
+            print(f"  no sidecar: {key}")
     if others:
         print(f"{others} objects belong to other cluster members' streams: left to their own verify")
     for key in orphans[:20]:
@@ -209,6 +281,85 @@ def verify(
     elif orphans:
         print("run again with --delete-orphans to remove them (objects no manifest refers to)")
     return 1 if problems else 0
+
+
+@dataclass
+class _Companions:
+    """What `_check_companions` found: `missing` are problems, one line each."""
+
+    descriptions: int = 0
+    sidecars: int = 0
+    missing: list[str] = field(default_factory=list)
+    not_yet: int = 0  # descriptions of streams whose last upload is recent
+    legacy: list[str] = field(default_factory=list)  # segments uploaded before sidecars were
+
+
+def _check_companions(
+    config: ColdConfig,
+    manifests: list[tuple[str, str, Path, list[dict]]],
+    meta_objects: dict[str, float],
+    segment_objects: dict[str, float],
+    *,
+    now: float,
+    orphan_min_age: float,
+) -> _Companions:
+    """Whether each stream with an uploaded segment has its description and each manifest entry its
+    sidecar in the bucket (`meta_objects`, listed after the manifests were read).
+
+    A sidecar is uploaded before its manifest entry is written, so one missing is damage, except for
+    segments uploaded by a streamkeep that wrote no sidecars to the bucket: those form the start of
+    their stream's manifest, before the first entry that has one, and restore indexes them itself.
+    A description, though, is written after the upload, at the end of the archiver's pass (at most
+    256 a pass, retried with backoff after a failure), and a server stopped in between writes it at
+    its next start only. One missing for a stream whose last upload is younger than `orphan_min_age`
+    is "not yet", as an unrecorded upload of that age is not an orphan yet. A stream with no upload
+    is not checked: it has nothing in the bucket to restore (its description is written anyway).
+    What is missing is checked once more against the stream's manifest as it is now: a stream
+    deleted, or a segment dropped by retention, since the manifests were read took its objects."""
+    out = _Companions()
+    prefix = config.prefix
+    for name, stream_id, directory, entries in manifests:
+        if not entries:
+            continue
+        out.descriptions += 1
+        missing: list[tuple[str, str]] = []  # (what, the manifest entry's key or "" for the stream)
+        description = describe.stream_object_key(prefix, directory.name, stream_id)
+        if description not in meta_objects:
+            newest = max((segment_objects.get(entry["key"], 0.0) for entry in entries), default=0.0)
+            if now - newest < orphan_min_age:
+                out.not_yet += 1
+            else:
+                missing.append((f"description {name} ({description})", ""))
+        seen_sidecar = False
+        for entry in sorted(entries, key=lambda e: e["start"]):
+            parsed = layout.parse_cold_key(config.root, entry["key"])
+            if parsed is None or parsed[1] is None:
+                continue  # a format-1 key: no sidecar was ever written for it
+            out.sidecars += 1
+            sidecar = describe.index_object_key(prefix, parsed[0], parsed[1], parsed[2])
+            if sidecar in meta_objects:
+                seen_sidecar = True
+            elif seen_sidecar:
+                missing.append((f"sidecar {name}/{entry['file']} ({sidecar})", entry["key"]))
+            else:
+                out.legacy.append(entry["key"])
+        if missing:
+            now_entries = _current_entries(directory, stream_id)
+            out.missing.extend(
+                what for what, key in missing if now_entries is not None and (not key or key in now_entries)
+            )
+    return out
+
+
+def _current_entries(directory: Path, stream_id: str) -> set[str] | None:
+    """The keys the stream's manifest names now; None if the stream is gone or another one now."""
+    try:
+        meta = decode_meta(files.read_file(files.OS, directory / layout.META))
+        if meta.stream_id != stream_id:
+            return None
+        return {entry["key"] for entry in manifest.load_manifest(files.OS, directory)}
+    except FileNotFoundError:
+        return None
 
 
 def _owned_by_this_member(settings: SimpleNamespace) -> Callable[[str], bool] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -432,3 +433,91 @@ def test_retention_removes_objects_from_the_bucket_and_survives_kill_9(tmp_path:
         assert verify.returncode == 0 and "0 problems" in verify.stdout, verify.stdout + verify.stderr
     finally:
         server.stop()
+
+
+def test_archive_verify_checks_descriptions_and_sidecars_and_their_orphans(
+    tmp_path: Path, moto: Moto
+) -> None:
+    """`archive verify` checks what `restore --from-bucket` needs under `PREFIX/meta/` (each stream's
+    description, each segment's sidecar) and judges the objects there as it judges segment objects."""
+    server = cold_server(tmp_path, moto, "--segment-max-age", "1")
+    url = f"{server.url}/v1/stream/described"
+    meta = "prod/meta/described/"
+    try:
+        httpx.put(url, headers=OCTETS)
+        for part in (b"one", b"two", b"three"):
+            assert httpx.post(url, content=part, headers=OCTETS).status_code == 204
+            count = len(moto.keys("archive", "prod/streams/described/"))
+            wait_until(
+                lambda count=count: len(moto.keys("archive", "prod/streams/described/")) > count,
+                timeout=30,
+                what="age sealing and an upload",
+            )
+        wait_until(
+            lambda: (
+                sum(k.endswith("/stream.cbor") for k in moto.keys("archive", meta)) == 1
+                and sum(k.endswith(".seg.idx") for k in moto.keys("archive", meta)) == 3
+            ),
+            timeout=30,
+            what="the description and the sidecars",
+        )
+    finally:
+        server.stop()
+    command = [sys.executable, "-m", "streamkeep", "archive", "verify", "--data-dir", str(tmp_path)]
+    command += ["--cold-url", "s3://archive/prod", "--cold-endpoint", moto.url]
+    env = {**os.environ, **CREDENTIALS}
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*command, *extra], capture_output=True, text=True, env=env, timeout=60)
+
+    clean = run()
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    # (The server's own __registry__ stream uploads segments too.)
+    checked = re.search(
+        r"(\d+) descriptions and (\d+) sidecars checked, 0 problems; 0 orphaned", clean.stdout
+    )
+    assert checked and int(checked[1]) >= 1 and int(checked[2]) >= 3, clean.stdout
+    description = next(k for k in moto.keys("archive", meta) if k.endswith("/stream.cbor"))
+    incarnation = description.rsplit("/", 2)[1]
+    sidecars = sorted(k for k in moto.keys("archive", meta) if k.endswith(".seg.idx"))
+
+    # Strays: a gone stream's objects are orphans at once; a live stream's sidecar with no manifest
+    # entry (an upload in flight) only once older than --orphan-min-age; another incarnation's
+    # description at once.
+    ghost = ["prod/meta/ghost/0123456789ab/stream.cbor", f"prod/meta/ghost/0123456789ab/{0:016d}.seg.idx"]
+    in_flight = f"{meta}{incarnation}/{99:016d}.seg.idx"
+    old_incarnation = f"{meta}0123456789ab/stream.cbor"
+    s3 = moto.client()
+    for key in (*ghost, in_flight, old_incarnation):
+        s3.put_object(Bucket="archive", Key=key, Body=b"x")
+    listed = run()
+    assert listed.returncode == 0 and "0 problems; 3 orphaned objects" in listed.stdout, listed.stdout
+    assert all(f"orphan: {key}" in listed.stdout for key in (*ghost, old_incarnation))
+    assert "1 recent objects of live streams" in listed.stdout
+    cleaned = run("--delete-orphans")
+    assert "deleted 3 orphaned objects" in cleaned.stdout, cleaned.stdout
+    remaining = moto.keys("archive", "prod/meta/")
+    assert in_flight in remaining and not {*ghost, old_incarnation} & set(remaining)
+    old_enough = run("--delete-orphans", "--orphan-min-age", "0")
+    assert "deleted 1 orphaned objects" in old_enough.stdout, old_enough.stdout
+    assert sorted(moto.keys("archive", meta)) == sorted([description, *sidecars])
+
+    # Damage: a description and a (not the first) sidecar deleted. The description of a stream that
+    # uploaded within --orphan-min-age may not be written yet: it counts once that is over.
+    s3.delete_object(Bucket="archive", Key=description)
+    s3.delete_object(Bucket="archive", Key=sidecars[1])
+    recent = run()
+    assert recent.returncode == 1 and "1 problems" in recent.stdout, recent.stdout + recent.stderr
+    assert f"MISSING sidecar described/{sidecars[1].rsplit('/', 1)[1][:-4]} ({sidecars[1]})" in recent.stderr
+    assert "MISSING description" not in recent.stderr and "no description in the bucket yet" in recent.stdout
+    damaged = run("--orphan-min-age", "0")
+    assert damaged.returncode == 1 and "2 problems" in damaged.stdout, damaged.stdout + damaged.stderr
+    assert f"MISSING description described ({description})" in damaged.stderr
+    assert f"({sidecars[1]})" in damaged.stderr
+    # Sidecars missing only before the first one there: segments uploaded before sidecars went to
+    # the bucket (restore indexes those itself), noted but no problem.
+    s3.put_object(Bucket="archive", Key=description, Body=b"x")
+    s3.delete_object(Bucket="archive", Key=sidecars[0])
+    upgraded = run("--orphan-min-age", "0")
+    assert upgraded.returncode == 0 and "0 problems" in upgraded.stdout, upgraded.stdout + upgraded.stderr
+    assert "2 segments have no sidecar in the bucket" in upgraded.stdout
