@@ -44,10 +44,6 @@ from streamkeep.storage.errors import StorageUnavailable, below_floor
 
 log = logging.getLogger(__name__)
 
-# A delete in the seconds after a start that served before reading every stream waits this long
-# for the rest to be read (a stream's forks must all be counted), then is answered 503.
-DELETE_WAITS_FOR_RECOVERY = 20.0
-
 
 class StreamOps:
     """One stream's operations, run by its actor (actors/actor.py) one message at a time."""
@@ -260,11 +256,12 @@ class StreamOps:
 
     async def _remove(self, stream_log: StreamLog) -> None:
         """Deletes the stream, or only soft-deletes it while forks still read its data (§4.2)."""
-        if self._storage.unread():  # its forks are all counted once every stream is read
-            with trio.move_on_after(DELETE_WAITS_FOR_RECOVERY):
-                await self._storage.recovered()
-            if self._storage.unread():
-                raise self._storage.still_reading()
+        # Its forks are all counted only once every stream is read (a start that served early):
+        # with forks known it is soft-deleted as ever (the count only grows), without, it may
+        # have forks not read yet, so the answer is 503 with Retry-After rather than a wait
+        # here, which would hold every other request to the stream.
+        if stream_log.meta.fork_count == 0 and self._storage.unread():
+            raise self._storage.still_reading()
         if stream_log.meta.fork_count > 0:
             stream_log.meta.soft_deleted = True
             try:

@@ -129,9 +129,9 @@ class ClusterKeeper(RegistryKeeper):
         """Makes the entries of `member_ids`' streams match their lists; returns, by member, why
         a member's part was left as it is (it did not answer)."""
         unanswered: dict[str, str] = {}
+        await self.storage.recovered()  # this member's part lists every stream; not under the lock
 
         async def wanted(listed: dict[str, Any]) -> dict[str, dict[str, Any]]:
-            await self.storage.recovered()  # this member's part lists every stream it holds
             parts = await self._parts(member_ids)
             result = dict(listed)
             for member_id, part in parts.items():

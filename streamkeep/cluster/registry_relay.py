@@ -150,7 +150,8 @@ class RegistryRelay:
         self._heard.set()
         if payload.get("probe"):
             return {}
-        await self.storage.recovered()  # the keeper's call waits; its own timeout retries
+        if self.storage.unread():  # the keeper holds its lock for this answer: do not make it wait
+            raise ProtocolError(503, "recovering", "this member is still reading its streams from disk")
         return {"streams": live_streams(self.storage, self.clock())}
 
     def stats(self) -> dict:

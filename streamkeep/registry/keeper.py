@@ -108,13 +108,14 @@ class RegistryKeeper:
             self.health.ok("registry")
 
     async def reconcile(self) -> None:
-        """Appends what makes the registry list exactly the live streams in storage."""
+        """Appends what makes the registry list exactly the live streams in storage (once every
+        stream is read: waiting inside `_reconcile` would hold the lock every create needs)."""
+        await self.storage.recovered()
         await self._reconcile(self._wanted)
 
     async def _wanted(self, listed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """What the registry should list, given what it lists now (a cluster's keeper asks the
         other members for their part: streamkeep/cluster/registry.py)."""
-        await self.storage.recovered()
         return self._live()
 
     @staticmethod

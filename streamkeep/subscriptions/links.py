@@ -64,8 +64,13 @@ class Links:
             return
         if self._unknown is not None and self._unknown(path):
             return  # another member's stream it has not told us about yet: it will
-        stream_log = self._live(path)
         link = sub.links.get(path)
+        if link is None and not sub.matches(path):
+            return  # unrelated: not opened (after a start that served early, opening reads it)
+        try:
+            stream_log = self._live(path)
+        except ProtocolError:  # not readable now (read at start, failing): its next change says
+            return
         if stream_log is None:
             if link is None:
                 return

@@ -17,6 +17,7 @@ mode promises across a process crash and a power cut is in docs/segment-format.m
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -72,8 +73,15 @@ RunSync = Callable[..., Awaitable[Any]]
 READ_CACHE_BYTES = 256 << 10
 
 # While streams are read in the background the event loop reads for at most this long at a time,
-# so requests wait no longer than that between reads.
+# so requests wait no longer than that between reads (one stream is read whole, however big).
 BACKGROUND_READ_SLICE = 0.005
+
+# A stream whose read at start fails with an I/O error is tried again (503 meanwhile) this many
+# times in all, then left on disk like a damaged one, so everything waiting for the read to end
+# (deletes, the TTL sweep, retention, the cold tier) does not wait forever; errors that say the
+# entry is no stream directory at all are damage at once, as a start that reads everything says.
+READ_ATTEMPTS = 10
+NOT_A_STREAM = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG})
 
 
 class DiskStorage:
@@ -121,6 +129,7 @@ class DiskStorage:
         self.recovery = RecoveryReport()
         self._repair_when_read = False  # a crash under fsync=interval: see _after_a_crash
         self._read_slice_streams = read_slice_streams  # None: BACKGROUND_READ_SLICE of time
+        self._read_failures: dict[str, int] = {}
         self.root_fd = -1
         self.health = Health()
         self.committer = Committer(
@@ -199,7 +208,9 @@ class DiskStorage:
         """At shutdown, once nothing else runs: syncs what fsync=interval/never left unsynced (a
         clean stop loses nothing to a later power cut), closes every descriptor, and notes the
         clean stop so the next start needs no crash recovery."""
-        clean = True
+        # Streams not read yet still owe the repair a crash under fsync=interval calls for: the
+        # next start must know the last stop was not clean.
+        clean = not (self._repair_when_read and self._unread)
         for stream_log in list(self._logs.values()):
             if stream_log.writer.needs_repair and stream_log.writer.read_only is None:
                 try:  # a failed write not yet cut back: cut it now, not at the next start
@@ -465,19 +476,27 @@ class DiskStorage:
         )
 
     def _read_now(self, name: str) -> DiskLog | None:
-        """Reads one stream found at start and adopts it (its fork source first). An OSError
-        leaves it to be read again and is answered 503: a failing disk is not a damaged stream."""
+        """Reads one stream found at start and adopts it (its fork source first). An I/O error
+        leaves it to be read again and is answered 503 (a failing disk is not a damaged stream),
+        up to READ_ATTEMPTS times; what is missing or not a stream directory is damage at once."""
         path = self._unread.pop(name)
         report = self.recovery
         try:
             loaded = read_stream(self.fs, path, report)
         except OSError as error:
+            failures = self._read_failures[name] = self._read_failures.get(name, 0) + 1
+            if error.errno in NOT_A_STREAM or failures >= READ_ATTEMPTS:
+                skip(report, path, error)
+                return None
             self._unread[name] = path
             self.health.failed("recovery", f"reading {name!r}: {error}")
             raise as_protocol_error(from_os_error(error, f"reading {name!r} at start"), name) from None
         except DAMAGE as error:
             skip(report, path, error)
             return None
+        except BaseException:
+            self._unread[name] = path  # a bug, or cancelled: never lose the stream for it
+            raise
         if loaded.meta.name != name:
             log.warning("recovery: %s holds %r, not %r as its name says", path, loaded.meta.name, name)
         stream_log = self._adopt(loaded)
