@@ -117,7 +117,7 @@ class Replica:
     async def run(self) -> None:
         self._lock_directory()
         coordinator = self.coordinator
-        await coordinator.register()
+        await coordinator.register(self._copy_held())
         async with trio.open_nursery() as nursery:
             # The lease is renewed on a thread and event loop of its own: a busy or blocked loop
             # here (a promotion building the whole server, a long recovery) must not let it lapse.
@@ -135,6 +135,24 @@ class Replica:
                 await coordinator.etcd.revoke(coordinator.lease)
             except EtcdError as error:
                 log.warning("could not give up this replica's etcd lease: %s", error)
+
+    def _copy_held(self) -> str:
+        """The session of the complete copy of this member the directory holds ("" for none)."""
+        marker = read_marker(self.data_dir)
+        if marker is None or marker.get("member") != self.member:
+            return ""
+        return str(marker.get("session", ""))
+
+    async def _announce(self, copy: str) -> bool:
+        """Tells etcd which copy this replica holds: an owner hands over only to a follower that
+        holds the copy recorded in sync (not one that runs again on an empty disk). False if
+        etcd could not be told: a copy is emptied only once its key no longer names it."""
+        try:
+            await self.coordinator.announce(copy)
+        except EtcdError as error:
+            log.warning("member %s: cannot tell etcd which copy it holds: %s", self.member, error)
+            return False
+        return True
 
     def _lock_directory(self) -> None:
         """One process per replica directory: a second (an orphan of a killed supervisor, a
@@ -164,7 +182,7 @@ class Replica:
                     # A follower takes a new one: promotion is decided by the record, not the lease.
                     while True:
                         try:
-                            await keeper.register()
+                            await keeper.register(self._copy_held())
                             self.coordinator.lease = keeper.lease  # what a planned stop revokes
                             break
                         except EtcdError as error:
@@ -228,7 +246,14 @@ class Replica:
             # follower is in sync and running: the follower takes over at once, warm (its copy is
             # in its page cache, its process up), instead of this process recovering cold or the
             # follower waiting out the old process's lease.
-            if record.in_sync and await coordinator.alive(record.follower) is not None:
+            # Only to a follower whose process runs (not a dead one's key, which outlives it up to
+            # a lease) and holds the copy recorded in sync (not one back on an empty disk).
+            follower = await coordinator.alive(record.follower) if record.in_sync else None
+            if (
+                follower is not None
+                and follower.get("copy") == record.session
+                and await coordinator.renewing(record.follower)
+            ):
                 await coordinator.hand_over(record)
                 return
             if marker is not None and marker.get("member") == self.member:
@@ -310,6 +335,9 @@ class Replica:
                 )
                 sock.close()
                 return
+            if not await self._announce(""):  # the copy this key may name is about to be emptied
+                sock.close()
+                return
         except BaseException:
             sock.close()
             raise
@@ -352,6 +380,7 @@ class Replica:
                 if ours and not marked:
                     write_marker(self.data_dir, marker_for(self.member, now.epoch, session))
                     marked = True
+                    await self._announce(session)
                     self._backoff.reset()
                     self._session_failed = False
                 if marked and not ours:
@@ -374,6 +403,7 @@ class Replica:
                     now = None
                 if now is not None and now.in_sync and now.session == session:
                     write_marker(self.data_dir, marker_for(self.member, now.epoch, session))
+                    await self._announce(session)
         if outcome:
             log.info("member %s: following %s ended: %s", self.member, record.owner, outcome[0])
 

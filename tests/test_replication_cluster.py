@@ -164,6 +164,8 @@ class Writer:
         while not self.stop.is_set():
             try:
                 answer = client.post(f"{self.url}/v1/stream/{name}", content=body, headers=headers)
+                if answer.status_code in (502, 504):  # HAProxy: the member died mid-request
+                    raise httpx.RemoteProtocolError(f"{answer.status_code} from the front door")
             except httpx.HTTPError:
                 if not self.producer:
                     self.maybe[name].add(body)  # may be stored: never send this body again
@@ -379,3 +381,35 @@ def test_losing_an_etcd_member_is_unseen(cluster: Cluster) -> None:
             before[member]["epoch"],
         ), (before, after)
     load.check(cluster.url)
+
+
+def test_an_owner_back_beside_a_follower_that_lost_its_disk_keeps_serving_its_copy(cluster: Cluster) -> None:
+    """Both replicas of a member die at once and the follower's disk is gone with it (torture,
+    seed 300: a machine lost with its disk while the other copy's process was killed). The owner
+    must not hand the member to the empty follower, whose process runs again: it serves its copy."""
+    views = cluster.wait_redundant()
+    owner = views["m0"]["replica"]
+    follower = "m0b" if owner == "m0a" else "m0a"
+    with Load(cluster.url, "both-down") as load:
+        load.wait_count(100)
+        supervisor = cluster.server.process.pid
+        os.kill(supervisor, signal.SIGSTOP)  # it restarts nothing until the disk is gone
+        try:
+            for replica in (owner, follower):  # the owner first: etcd still records the copy in sync
+                pid = cluster.pid(replica)
+                assert pid is not None, replica
+                os.kill(pid, signal.SIGKILL)
+                while cluster.pid(replica) == pid:
+                    time.sleep(0.01)
+            since = load.restart_clock()
+            shutil.rmtree(cluster.directory / follower)
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
+        took = load.failover_seconds("m0", since)
+        load.wait_count(sum(len(a) for w in load.writers for a in w.acked.values()) + 100)
+    print(f"owner and emptied follower killed: m0's streams took appends again after {took:.2f} s")
+    assert took <= 2 * FAILOVER_LIMIT, f"m0's streams answered appends after {took:.1f} s"
+    views = cluster.wait_redundant()
+    assert views["m0"]["replica"] == owner, views  # the only copy kept the member
+    load.check(cluster.url)
+    owner_and_follower_equal(cluster, "m0")

@@ -1,8 +1,9 @@
 """Who owns and who follows each member, decided in etcd (never by a consensus of our own).
 
 Keys under the cluster's prefix (values are JSON):
-- `replicas/<replica>`: `{member, http, replication}`, put with the replica's lease. It exists
-  exactly while the process renews the lease: etcd's lease expiry is the failure detector.
+- `replicas/<replica>`: `{member, http, replication, copy}`, put with the replica's lease. It exists
+  exactly while the process renews the lease: etcd's lease expiry is the failure detector. `copy`
+  is the session of the complete copy its directory holds (its marker's), "" for none.
 - `members/<member>`: `{epoch, owner, follower, in_sync, session}`. Every change is one
   compare-and-set on the key's revision, so of two replicas racing to promote, one wins.
 
@@ -14,8 +15,9 @@ The rules, each one transaction:
 - promote: the follower, when the owner's `replicas/` key is gone (its lease expired) and the record
   says the follower's session is in sync: epoch + 1, owner and follower swapped, not in sync.
 - hand over: a new process of the owner (it crashed and restarted, perhaps on an empty directory),
-  while the follower is in sync and running: the same swap, so the warm copy is served at once and
-  the restarted one becomes the follower.
+  while the follower is in sync and running with that copy (its key's `copy` is the record's
+  session: a follower that lost its disk too runs, but holds nothing): the same swap, so the warm
+  copy is served at once and the restarted one becomes the follower.
 
 A replica's directory holds a marker (`replica.json`, never replicated) saying what it is a
 complete copy of; a replica promotes or serves only a directory whose marker matches the record.
@@ -131,13 +133,23 @@ class Coordinator:
 
     # ---- the lease -----------------------------------------------------------------------------
 
-    async def register(self) -> None:
-        """A fresh lease and this replica's key on it (replacing a dead process's)."""
-        fields = {"member": self.member, "http": self.http_address, "replication": self.replication_address}
+    async def register(self, copy: str = "") -> None:
+        """A fresh lease and this replica's key on it (replacing a dead process's); `copy`: the
+        session of the complete copy the replica's directory holds ("" for none)."""
         sent = trio.current_time()
         self.lease = await self.etcd.grant_lease(self.lease_ttl)
-        await self.etcd.put(self.replica_key(self.replica), json.dumps(fields).encode(), lease=self.lease)
+        await self.announce(copy)
         self.valid_until = sent + self.lease_ttl
+
+    async def announce(self, copy: str) -> None:
+        """(Re)writes this replica's key, on its lease, saying which copy it holds now."""
+        fields = {
+            "member": self.member,
+            "http": self.http_address,
+            "replication": self.replication_address,
+            "copy": copy,
+        }
+        await self.etcd.put(self.replica_key(self.replica), json.dumps(fields).encode(), lease=self.lease)
 
     async def keep_lease(self) -> None:
         """Renews the lease every sixth of its TTL until etcd says it is gone (then returns: another
@@ -182,6 +194,19 @@ class Coordinator:
                 await self.etcd.compare_and_put(self.member_key, initial.encode(), mod_revision=0)
             except EtcdOutcomeUnknown:
                 pass  # read it again either way
+
+    async def renewing(self, replica: str, wait: float = 1.5) -> bool:
+        """Whether the replica's process renews its lease now. Its key outlives a dead process
+        until the lease runs out (up to the TTL): the lease's remaining time, read twice `wait`
+        apart (etcd counts whole seconds), must not have gone down. A busy process may look dead
+        (a caller then does the safe, slower thing), a dead one never looks alive."""
+        found = await self.etcd.get(self.replica_key(replica))
+        if found is None or not found.lease:
+            return False
+        first = await self.etcd.time_to_live(found.lease)
+        await trio.sleep(wait)
+        second = await self.etcd.time_to_live(found.lease)
+        return second > 0 and second >= first
 
     async def alive(self, replica: str) -> dict[str, Any] | None:
         found = await self.etcd.get(self.replica_key(replica))
