@@ -364,6 +364,7 @@ class MirrorFileSystem:
         while link.broken is None:
             with self._lock:
                 more = self._copy_step(link)
+            time.sleep(0)  # the lock is not fair: let a write (or a close) waiting for it have it
             if not more:
                 break
             if not link.wait_sent(COPY_WINDOW):
@@ -474,6 +475,9 @@ class MirrorFileSystem:
             return fd
 
     def close(self, fd: int) -> None:
+        if fd not in self._open:  # opened for reading (`open` did not note it): nothing to mirror
+            self.inner.close(fd)  # and no lock, which a copy may hold for a while
+            return
         with self._lock:
             self._open.pop(fd, None)
             self.inner.close(fd)
