@@ -170,3 +170,24 @@ def test_the_first_request_to_an_expired_source_with_forks_hears_what_later_ones
             )
         assert read(client, "ttl-fork").content == b"S;"
         assert client.delete("/v1/stream/ttl-fork").status_code == 204
+
+
+def test_a_fork_of_a_source_that_expires_as_it_is_asked_is_refused_as_a_deleted_source(
+    fork_server: ServerProcess,
+) -> None:
+    """A fork create that is the first request to find its source expired (forks still read it)
+    is answered as every later one is, 409 fork_source_deleted (torture, seed 301 replicated:
+    it was 410 stream_deleted, the answer for requests to the source itself)."""
+    with httpx.Client(base_url=fork_server.url) as client:
+        assert (
+            client.put("/v1/stream/ttl2-src", content=b"S;", headers={**CT, "Stream-TTL": "1"}).status_code
+            == 201
+        )
+        assert fork(client, "ttl2-fork", "ttl2-src").status_code == 201
+        time.sleep(2.2)  # past the source's TTL, with no request touching it meanwhile
+        for name in ("ttl2-late", "ttl2-later"):
+            answer = fork(client, name, "ttl2-src")
+            assert answer.status_code == 409 and answer.json()["error"]["code"] == "fork_source_deleted", (
+                answer.text
+            )
+        assert client.delete("/v1/stream/ttl2-fork").status_code in (204, 404)  # it took the source's TTL

@@ -130,7 +130,13 @@ class StreamOps:
 
     async def attach_fork(self, message: AttachFork) -> ForkSource:
         forking.check_source(self.name, self._storage.open(self.name))
-        return await forking.attach(self._storage, self.name, await self._existing(time.time()), message)
+        try:
+            source = await self._existing(time.time())
+        except ProtocolError as error:
+            if error.code == "stream_deleted":  # it expired just now, forks keep it: as check_source says
+                forking.check_source(self.name, self._storage.open(self.name))
+            raise
+        return await forking.attach(self._storage, self.name, source, message)
 
     async def detach_fork(self, message: DetachFork) -> None:
         stream_log = self._storage.open(self.name)
