@@ -301,15 +301,7 @@ class Server:
                 unread,
             )
         else:
-            log.info(
-                "recovered %d streams (%d appends, %d bytes) in %.2f s; %d repaired, %d skipped",
-                report.streams,
-                report.records,
-                report.bytes,
-                report.seconds,
-                len(report.repaired),
-                len(report.skipped),
-            )
+            log.info("%s", report.summary())
         if store is None or cold is None:
             return None
         archiver = Archiver(storage, store, cold, run_sync=self.injected.run_sync)

@@ -45,6 +45,13 @@ class RecoveryReport:
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
+    def summary(self, when: str = "") -> str:
+        """The log line a finished recovery says (`when`: e.g. " while serving")."""
+        return (
+            f"recovered {self.streams} streams ({self.records} appends, {self.bytes} bytes) in "
+            f"{self.seconds:.2f} s{when}; {len(self.repaired)} repaired, {len(self.skipped)} skipped"
+        )
+
 
 class Loaded:
     """What recovery found of one stream, for DiskLog to adopt."""

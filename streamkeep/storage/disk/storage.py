@@ -464,16 +464,7 @@ class DiskStorage:
         self._all_read.set()
         self.recovery.seconds += time.monotonic() - started
         self.health.ok("recovery")
-        report = self.recovery
-        log.info(
-            "recovered %d streams (%d appends, %d bytes) in %.2f s while serving; %d repaired, %d skipped",
-            report.streams,
-            report.records,
-            report.bytes,
-            report.seconds,
-            len(report.repaired),
-            len(report.skipped),
-        )
+        log.info("%s", self.recovery.summary(" while serving"))
 
     def _read_now(self, name: str) -> DiskLog | None:
         """Reads one stream found at start and adopts it (its fork source first). An I/O error
