@@ -6,14 +6,17 @@ while appends go on, and a sync must not return before the follower has the byte
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 from pathlib import Path
 
+import pytest
 import trio
 
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.replication import follower, wire
+from streamkeep.replication import mirror as mirror_module
 from streamkeep.replication.mirror import MARKER, Link, MirrorFileSystem
 from streamkeep.storage import files
 from streamkeep.storage.base import AppendRecord, ByteBudget
@@ -247,3 +250,72 @@ async def test_a_large_copy_joins_under_writes_with_big_frames_and_modes(tmp_pat
     assert tree(copy_dir) == tree(owner_dir)
     assert (copy_dir / "key").stat().st_mode & 0o777 == 0o600
     assert link.stats.copied_bytes >= 40 << 20
+
+
+def churn_once(mirror: MirrorFileSystem, root: Path, rng: random.Random) -> None:
+    """One random change through the mirror: files written, made, renamed and unlinked, and whole
+    directories made, renamed (with what is in them) and removed."""
+    dirs = [root, *sorted(Path(d) / n for d, ds, _ in os.walk(root) for n in ds)]
+    names = sorted(Path(d) / n for d, _, ns in os.walk(root) for n in ns if n != MARKER)
+    where = rng.choice(dirs)
+    kind = rng.randrange(7)
+    if kind == 0 and names:
+        target = rng.choice(names)
+        fd = mirror.open(target, os.O_WRONLY)
+        mirror.pwrite(fd, rng.randbytes(rng.randrange(1, 300)), rng.randrange(target.stat().st_size + 1))
+        mirror.close(fd)
+    elif kind == 1:
+        fd = mirror.open(where / f"f{rng.randrange(1000)}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        mirror.write(fd, rng.randbytes(rng.randrange(500)))
+        mirror.close(fd)
+    elif kind == 2 and names:
+        mirror.rename(rng.choice(names), where / f"f{rng.randrange(1000)}")  # may replace a file
+    elif kind == 3 and names:
+        mirror.unlink(rng.choice(names))
+    elif kind == 4 and not (made := where / f"d{rng.randrange(1000)}").exists():
+        mirror.mkdir(made)
+    elif kind == 5 and len(dirs) > 1:
+        moved = rng.choice(dirs[1:])
+        into = rng.choice([d for d in dirs if d != moved and moved not in d.parents])
+        target = into / f"d{rng.randrange(1000)}"
+        if not target.exists():
+            mirror.rename(moved, target)
+    elif kind == 6 and len(dirs) > 1:
+        doomed = rng.choice(dirs[1:])
+        for directory, subdirs, files_there in os.walk(doomed, topdown=False):
+            for name in files_there:
+                mirror.unlink(Path(directory) / name)
+            for name in subdirs:
+                mirror.rmdir(Path(directory) / name)
+        mirror.rmdir(doomed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_copy_made_under_renames_and_deletes_of_whole_directories_is_exact(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copier's place follows every rename and removal made while it walks the tree (a stream
+    created by renaming its staging directory, deleted by moving it to trash): when the follower is
+    in sync its copy is the owner's tree exactly, seeded and replayable."""
+    monkeypatch.setattr(mirror_module, "COPY_CHUNK", 64)  # files are sent in many steps
+    rng = random.Random(seed)
+    owner_dir, copy_dir = tmp_path / "owner", tmp_path / "copy"
+    for n in range(60):
+        directory = owner_dir / f"d{n % 12}" / f"d{n % 5}"
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"f{n}").write_bytes(rng.randbytes(rng.randrange(1, 700)))
+    mirror = MirrorFileSystem(files.OS, owner_dir)
+    replica = Follower(copy_dir)
+    link, _ = replica.join(mirror)
+    changes = 0
+    with trio.fail_after(60):
+        while not link.in_sync or changes < 400:
+            churn_once(mirror, owner_dir, rng)
+            changes += 1
+            await trio.lowlevel.checkpoint()
+    fd = mirror.open(owner_dir / "last", os.O_WRONLY | os.O_CREAT)
+    with trio.fail_after(20):  # a follower that broke applying never acknowledges it
+        await trio.to_thread.run_sync(mirror.fdatasync, fd, abandon_on_cancel=True)
+    mirror.close(fd)  # every change before that sync is on the copy
+    assert replica.error is None
+    assert tree(copy_dir) == tree(owner_dir)

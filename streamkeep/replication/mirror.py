@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import trio
 
 from streamkeep.replication import wire
+from streamkeep.replication.copy_place import CopyPlace
 from streamkeep.storage.files import FileSystem, PathLike
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,7 @@ class Link:
         self.released = False  # the coordinator let waiters go on without this follower
         self.joined = False  # the copy is done: syncs wait for this follower from now on
         self.in_sync = False  # and everything before joining is durable there too
-        self.pending: dict[str, int] = {}  # copier: file -> next offset to send
-        self.pending_dirs: collections.deque[str] = collections.deque(["."])  # copier: to list
+        self.place = CopyPlace()  # the copier's: what is still to look at and to send
         self.session = ""  # the follower's id for this connection (its handshake says it)
         self.stats = LinkStats(joined_at=time.monotonic())
 
@@ -317,34 +317,40 @@ class MirrorFileSystem:
                 self._link = None
 
     def _copy_step(self, link: Link) -> bool:
-        """One step of the copy, under the lock: list one directory or send one chunk. False when
-        nothing is left."""
-        if link.pending_dirs:
-            directory = link.pending_dirs.popleft()
-            absolute = self.root if directory == "." else os.path.join(self.root, directory)
+        """One step of the copy, under the lock: look at one entry (a directory is listed, a file
+        is created) or send one chunk. False when nothing is left."""
+        place = link.place
+        entry = place.next_visit()
+        if entry is not None:
+            relative = place.path(entry)
+            absolute = os.path.join(self.root, relative)
             try:
-                names = sorted(self.inner.listdir(absolute))
-            except FileNotFoundError:
-                return True  # removed since it was found: nothing to send
-            for name in names:
-                if directory == "." and name in PRIVATE:
-                    continue
-                child = name if directory == "." else os.path.join(directory, name)
-                if self.inner.is_dir(os.path.join(self.root, child)):
-                    link.queue(wire.encode(wire.Op(wire.MKDIR, child)))
-                    link.pending_dirs.append(child)
+                if relative == ".":
+                    names = [name for name in self.inner.listdir(absolute) if name not in PRIVATE]
+                elif self.inner.is_dir(absolute):
+                    names = self.inner.listdir(absolute)
+                    link.queue(wire.encode(wire.Op(wire.MKDIR, relative)))
                 else:
-                    flags = wire.create_flags(True, _mode(self.root, child))
-                    link.queue(wire.encode(wire.Op(wire.CREATE, child, number=flags)))
-                    link.pending[child] = 0
+                    flags = wire.create_flags(True, _mode(self.root, relative))
+                    link.queue(wire.encode(wire.Op(wire.CREATE, relative, number=flags)))
+                    place.send_from_start(entry)
+                    return True
+            except FileNotFoundError:
+                names = []  # removed since it was listed: nothing to send
+            # Each entry is looked at in a step of its own: a directory of 100,000 streams must not
+            # hold the lock for 100,000 stats.
+            place.add_visits(entry, sorted(names))
+            place.done(entry)
             return True
-        if not link.pending:
+        entry = place.next_send()
+        if entry is None:
             return False
-        path, offset = next(iter(link.pending.items()))
+        assert entry.offset is not None
+        path, offset = place.path(entry), entry.offset
         try:
             fd = self.inner.open(os.path.join(self.root, path), os.O_RDONLY)
         except FileNotFoundError:
-            del link.pending[path]
+            place.sent(entry, None)
             return True
         try:
             chunk = self.inner.pread(fd, COPY_CHUNK, offset)
@@ -353,10 +359,7 @@ class MirrorFileSystem:
         if chunk:
             link.queue(wire.write(path, offset, chunk))
             link.stats.copied_bytes += len(chunk)
-        if len(chunk) < COPY_CHUNK:
-            del link.pending[path]
-        else:
-            link.pending[path] = offset + len(chunk)
+        place.sent(entry, offset + len(chunk) if len(chunk) == COPY_CHUNK else None)
         return True
 
     def _copy(self, link: Link) -> None:
@@ -433,7 +436,9 @@ class MirrorFileSystem:
     def _synced(self, sync: Callable[[], None]) -> None:
         with self._lock:
             link = self._link
-            number = self._queue_barrier(link) if link is not None else 0
+            # A follower still copying is not waited for (its joining barrier covers this round):
+            # a barrier would only make it sync its half-made copy once per round.
+            number = self._queue_barrier(link) if link is not None and link.joined else 0
             undecided = list(self._undecided)
         sync()  # the local sync runs while the follower syncs: latency is the larger of the two
         # Storage syncs from worker threads. The few writes made on the event loop itself (a key
@@ -453,9 +458,7 @@ class MirrorFileSystem:
                 entry.path = None
         link = self._link
         if link is not None:
-            for path in [p for p in link.pending if _under(p, relative)]:
-                del link.pending[path]
-            link.pending_dirs = collections.deque(d for d in link.pending_dirs if not _under(d, relative))
+            link.place.forget(relative)
 
     # ---- FileSystem ---------------------------------------------------------------------------
 
@@ -529,11 +532,7 @@ class MirrorFileSystem:
                     entry.path = new + entry.path[len(old) :]
             link = self._link
             if link is not None:
-                for path in [p for p in link.pending if _under(p, old)]:
-                    link.pending[new + path[len(old) :]] = link.pending.pop(path)
-                link.pending_dirs = collections.deque(
-                    new + d[len(old) :] if _under(d, old) else d for d in link.pending_dirs
-                )
+                link.place.move(old, new)
 
     def unlink(self, path: PathLike) -> None:
         with self._lock:
