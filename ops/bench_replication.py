@@ -263,14 +263,19 @@ class Appender(threading.Thread):
     def recovered(self, since: float) -> tuple[float, float]:
         """(first success, last stream's first success) of appends sent after `since`, in seconds
         after it; nan if some stream never succeeded."""
-        first: dict[str, float] = {}
-        for attempt in self.attempts:
-            if attempt.ok and attempt.sent >= since and attempt.name not in first:
-                first[attempt.name] = attempt.done - since
+        first = self.first_each(since)
         if not first:
             return float("nan"), float("nan")
         every = max(first.values()) if len(first) == len(set(self.names)) else float("nan")
         return min(first.values()), every
+
+    def first_each(self, since: float) -> dict[str, float]:
+        """Each stream's first successful append sent after `since`, done how long after it."""
+        first: dict[str, float] = {}
+        for attempt in self.attempts:
+            if attempt.ok and attempt.sent >= since and attempt.name not in first:
+                first[attempt.name] = attempt.done - since
+        return first
 
     def failures(self, since: float) -> int:
         return sum(1 for attempt in self.attempts if not attempt.ok and attempt.sent >= since)
@@ -512,6 +517,8 @@ def many(work: Path, streams: int, wait: float) -> dict[str, Any]:
             "served_by": f"{stats.get('replica')} at epoch {stats.get('epoch')}",
             "last_copy": stats.get("last_copy"),
             "recovering": cluster.log(r"recovering streams")[2:],
+            "failed_appends": trickle.failed(killed),
+            "first_ok_each_s": sorted(round(t, 2) for t in trickle.first_each(killed).values()),
             "copy": cluster.log(r"in sync: copied|broke:")[2:],
         }
     finally:

@@ -292,7 +292,24 @@ class Replica:
                 await trio.sleep(POLL)
             return
         await self._follow(record, owner["replication"])
-        await trio.sleep(self._backoff.failed() if self._session_failed else 0)
+        if self._session_failed:
+            await self._back_off(record)
+
+    async def _back_off(self, record: Record) -> None:
+        """Waits before the next session, but no longer than until etcd's record moves on: an
+        owner restarted after a crash hands the member over (or its lease expires) while we wait,
+        and every second of waiting past that is a second the member serves nothing."""
+        with trio.move_on_after(self._backoff.failed()):
+            while True:
+                await trio.sleep(POLL)
+                try:
+                    now = await self.coordinator.record(create=False)
+                    if now is None or (now.owner, now.epoch) != (record.owner, record.epoch):
+                        return
+                    if await self.coordinator.alive(record.owner) is None:
+                        return  # its lease expired: this replica may be promoted now
+                except EtcdError:
+                    continue
 
     def _may_promote(self, record: Record, marker: dict[str, Any] | None) -> bool:
         return (
