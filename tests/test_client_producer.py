@@ -523,7 +523,8 @@ async def test_close_stream_closes_with_the_last_batch_and_survives_a_lost_answe
             async with producer(stream, linger=10) as p:
                 p.append(b"one;")
                 p.append(b"two;")
-                await p.close(close_stream=True)
+                result = await p.close(close_stream=True)
+                assert result is not None and result.closed and result.duplicate
                 with pytest.raises(ProducerClosed):
                     p.append(b"late")
 
@@ -540,8 +541,10 @@ async def test_close_only_after_flush_and_a_closed_stream_refuses(server: Server
     async with Client(server.url) as client:
         stream = client.stream(path, content_type="text/plain")
         async with producer(stream, "first") as p:
-            await p.append(b"data")
-            await p.close(close_stream=True)
+            written = await p.append(b"data")
+            result = await p.close(close_stream=True)
+            assert result is not None and result.closed and not result.duplicate
+            assert result.next_offset == written.next_offset  # nothing appended by the close
         with pytest.raises(StreamClosed):
             async with producer(stream, "second") as q:
                 with pytest.raises(StreamClosed):
@@ -581,3 +584,60 @@ async def test_the_content_type_is_asked_when_unknown_and_restarts_use_a_new_epo
             # same id and epoch again: the server has seq 0, so this is a duplicate (not written)
             assert (await p.append({"n": 3})).duplicate is True
     assert await read_json(server, path) == [{"n": 1}, {"n": 2}]
+
+
+async def test_a_lost_answer_whose_retries_run_out_is_proven_written_by_a_later_seq(
+    server: ServerProcess,
+) -> None:
+    """Every answer to seq 3 is lost, so its retries run out; but seq 4 was written after it,
+    which the server allows only once seq 3 is there: seq 3 is reported written, not failed."""
+    path = await create(server)
+    items = [f"{i};".encode() for i in range(8)]
+
+    async def body(proxy: FaultProxy) -> None:
+        proxy.drop_answer = lambda r: r.method == "POST" and r.seq == 3
+        first_seq_4 = FirstOfEach({4})
+        proxy.hold = lambda r: 0.1 if first_seq_4(r) else 0.0  # seq 3 reaches the server first
+        async with Client(proxy.url) as client:
+            stream = client.stream(path, content_type="text/plain")
+            async with producer(stream, max_batch_bytes=2, max_in_flight=5) as p:
+                await p.append(items[0])  # the epoch is confirmed: the rest is pipelined
+                receipts = [p.append(item) for item in items[1:]]
+                await p.flush()
+                third = await receipts[2]
+                assert receipts[2].seq == 3 and third.duplicate
+
+    proxy = await with_proxy(server, body)
+    assert len(proxy.posts(3)) == FAST_RETRY.attempts + 1  # it really did run out of retries
+    assert await read_all(server, path) == (b"".join(items), False)
+
+
+async def test_pipelining_over_http2(server: ServerProcess) -> None:
+    """Over one HTTP/2 connection the batches travel as concurrent streams; order still holds."""
+    path = await create(server)
+    items = [f"h2-{i:03d};".encode() for i in range(80)]
+    async with Client(server.url, http2=True) as client:
+        stream = client.stream(path, content_type="text/plain")
+        async with producer(stream, max_batch_bytes=len(items[0]) * 3, max_in_flight=8) as p:
+            receipts = []
+            for item in items:
+                receipts.append(p.append(item))
+                await anyio.lowlevel.checkpoint()
+            await p.flush()
+            assert len(set(receipts)) >= 27
+            assert (await receipts[-1]).next_offset is not None
+    assert await read_all(server, path) == (b"".join(items), False)
+
+
+async def test_data_a_stream_cannot_take_is_refused_at_append(server: ServerProcess) -> None:
+    """An empty append (the server refuses an empty body) and a value that is not bytes or text
+    on a byte stream raise at the call, before they could fail a whole batch."""
+    path = await create(server)
+    async with Client(server.url) as client:
+        async with producer(client.stream(path, content_type="text/plain")) as p:
+            with pytest.raises(ValueError):
+                p.append(b"")
+            with pytest.raises(TypeError):
+                p.append({"a": 1})
+            await p.append("ok")
+    assert await read_all(server, path) == (b"ok", False)

@@ -313,12 +313,14 @@ class IdempotentProducer:
                 jsonlib.loads(text)  # one bad item would fail its whole batch at the server
                 return text
             return jsonlib.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        if isinstance(data, bytes):
-            return data
         if isinstance(data, bytearray | memoryview):
-            return bytes(data)
-        if isinstance(data, str):
-            return data.encode("utf-8")
+            data = bytes(data)
+        elif isinstance(data, str):
+            data = data.encode("utf-8")
+        if isinstance(data, bytes):
+            if not data:
+                raise ValueError("an append needs at least one byte")  # the server refuses an empty one
+            return data
         raise TypeError(f"a {self._content_type} stream takes bytes or str, not {type(data).__name__}")
 
     def _start_batch(self) -> _Batch:
@@ -359,29 +361,31 @@ class IdempotentProducer:
             error, self._unreported = self._unreported, None
             raise error
 
-    async def close(self, close_stream: bool = False) -> None:
+    async def close(self, close_stream: bool = False) -> AppendResult | None:
         """Stops taking appends, delivers what is queued (raising as `flush` does), and with
         `close_stream` closes the stream too, atomically with the last batch when one is still
         queued, else with an empty request: both carry the producer's headers, so a retried close
-        is answered as the duplicate it is. Leaving the `async with` block closes the producer
-        (without closing the stream)."""
+        is answered as the duplicate it is. Returns the closing request's result (its
+        `next_offset` is the stream's final offset), None without `close_stream`. Leaving the
+        `async with` block closes the producer (without closing the stream); a second `close`
+        does nothing."""
         if self._closed:
-            return
+            return None
         if self._task_group is None:
             raise ProducerClosed("use the producer in `async with`")
         self._accepting = False
         self._closed = True
+        last: _Batch | None = None
         if close_stream and self._failure is None:
-            if self._open is None:
-                self._start_batch()
-            assert self._open is not None
-            self._open.close = True
+            last = self._open or self._start_batch()
+            last.close = True
             self._seal()
         try:
             await self.flush()
         finally:
             self._stopping = True
             self._wake.set()
+        return None if last is None else await last.receipt
 
     def _abandon(self) -> None:
         """Leaving on an exception: fails what was not answered, so no receipt waits forever."""
