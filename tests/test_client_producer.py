@@ -376,7 +376,50 @@ async def auto_claim_takes_the_next_epoch_and_pipelines(server: ServerProcess) -
     assert await read_all(server, path) == (b"fencer;" + b"".join(items), False)
 
 
+async def a_fenced_producer_without_auto_claim_fails_with_stale_epoch(server: ServerProcess) -> None:
+    """A newer epoch owns the id: the receipt, flush and every later append raise `StaleEpoch`
+    with the server's epoch, and nothing of the zombie's reaches the stream."""
+    path = await create(server)
+    assert await raw_append(server, path, b"new;", "z", 2, 0) == 200
+    async with Client(server.url) as client:
+        stream = client.stream(path, content_type="text/plain")
+        with pytest.raises(StaleEpoch) as raised:
+            async with producer(stream, "z", epoch=1) as p:
+                receipt = p.append(b"zombie;")
+                with pytest.raises(StaleEpoch) as from_receipt:
+                    await receipt
+                assert from_receipt.value.current_epoch == 2
+                with pytest.raises(StaleEpoch):
+                    p.append(b"more;")
+        assert raised.value.current_epoch == 2  # leaving the block reports it (flush on close)
+    assert await read_all(server, path) == (b"new;", False)
+
+
+async def leaving_on_an_exception_fails_unanswered_receipts(server: ServerProcess) -> None:
+    """An exception in the block stops the producer: queued appends are not sent and their
+    receipts raise `ProducerClosed` instead of waiting forever."""
+    path = await create(server)
+    async with Client(server.url) as client:
+        stream = client.stream(path, content_type="text/plain")
+        p = producer(stream, linger=10)
+        with pytest.raises(RuntimeError, match="boom"):
+            async with p:
+                receipt = p.append(b"never")
+                raise RuntimeError("boom")
+        with pytest.raises(ProducerClosed):
+            await receipt
+    assert await read_all(server, path) == (b"", False)
+
+
 # trio -----------------------------------------------------------------------------------------
+
+
+async def test_a_fenced_producer_without_auto_claim_fails_with_stale_epoch(server: ServerProcess) -> None:
+    await a_fenced_producer_without_auto_claim_fails_with_stale_epoch(server)
+
+
+async def test_leaving_on_an_exception_fails_unanswered_receipts(server: ServerProcess) -> None:
+    await leaving_on_an_exception_fails_unanswered_receipts(server)
 
 
 async def test_lost_answers_are_retried_with_the_same_seq_and_bytes(server: ServerProcess) -> None:
@@ -405,6 +448,8 @@ async def test_auto_claim_takes_the_next_epoch_and_pipelines(server: ServerProce
         pipelined_batches_keep_append_order,
         json_items_are_batched_as_one_array,
         auto_claim_takes_the_next_epoch_and_pipelines,
+        a_fenced_producer_without_auto_claim_fails_with_stale_epoch,
+        leaving_on_an_exception_fails_unanswered_receipts,
     ],
     ids=lambda scenario: scenario.__name__,
 )
@@ -416,25 +461,6 @@ def test_under_asyncio(server: ServerProcess, scenario: Callable[[ServerProcess]
 
 
 # trio only ------------------------------------------------------------------------------------
-
-
-async def test_a_fenced_producer_without_auto_claim_fails_with_stale_epoch(server: ServerProcess) -> None:
-    """A newer epoch owns the id: the receipt, flush and every later append raise `StaleEpoch`
-    with the server's epoch, and nothing of the zombie's reaches the stream."""
-    path = await create(server)
-    assert await raw_append(server, path, b"new;", "z", 2, 0) == 200
-    async with Client(server.url) as client:
-        stream = client.stream(path, content_type="text/plain")
-        with pytest.raises(StaleEpoch) as raised:
-            async with producer(stream, "z", epoch=1) as p:
-                receipt = p.append(b"zombie;")
-                with pytest.raises(StaleEpoch) as from_receipt:
-                    await receipt
-                assert from_receipt.value.current_epoch == 2
-                with pytest.raises(StaleEpoch):
-                    p.append(b"more;")
-        assert raised.value.current_epoch == 2  # leaving the block reports it (flush on close)
-    assert await read_all(server, path) == (b"new;", False)
 
 
 async def test_a_claim_mid_stream_moves_every_unwritten_batch_to_the_new_epoch(server: ServerProcess) -> None:
@@ -550,22 +576,6 @@ async def test_close_only_after_flush_and_a_closed_stream_refuses(server: Server
                 with pytest.raises(StreamClosed):
                     await q.append(b"after")
     assert await read_all(server, path) == (b"data", True)
-
-
-async def test_leaving_on_an_exception_fails_unanswered_receipts(server: ServerProcess) -> None:
-    """An exception in the block stops the producer: queued appends are not sent and their
-    receipts raise `ProducerClosed` instead of waiting forever."""
-    path = await create(server)
-    async with Client(server.url) as client:
-        stream = client.stream(path, content_type="text/plain")
-        p = producer(stream, linger=10)
-        with pytest.raises(RuntimeError, match="boom"):
-            async with p:
-                receipt = p.append(b"never")
-                raise RuntimeError("boom")
-        with pytest.raises(ProducerClosed):
-            await receipt
-    assert await read_all(server, path) == (b"", False)
 
 
 async def test_the_content_type_is_asked_when_unknown_and_restarts_use_a_new_epoch(
