@@ -30,6 +30,12 @@ Why it works the way it does:
   without `auto_claim`, retries spent) fails, and so does every batch after it: they could only be
   written by skipping its seq, which the server refuses, and the producer does not move to a new
   epoch on its own (the caller's restart scheme owns epochs). `append` then raises the error too.
+  Retries spent on lost answers (`ConnectionFailed`, `Unavailable`) leave the outcome unknown: the
+  batch may be in the stream. Unless a later seq of the epoch was written, which proves it is, and
+  then it is reported written.
+- A 204 to the first try of a seq is a duplicate too, and counts as success, but it means another
+  instance with the same producer id and epoch used that seq first: this batch's bytes are not in
+  the stream. A restarted producer must take a higher epoch (or `auto_claim`) to avoid it.
 - 429, 500, 502, 503, 504 and broken or refused connections are retried, after the server's
   `Retry-After` when it gives one, else with jittered exponential backoff (the client's
   `RetryPolicy` unless `retry=` is given).
