@@ -1,7 +1,7 @@
 """What replication costs and how fast it heals, through the front door (issue 23, point 8).
 
     python -m ops.bench_replication [--rounds 3] [--seconds 4] [--failovers 3] [--fill-mib 1024]
-                                    [--streams 100000] [--parts throughput,failover,redundancy,many]
+                                    [--streams 100000] [--parts throughput,pinned,failover,redundancy,many]
 
 Every part runs `streamkeep cluster run --processes 2` (HAProxy in front, etcd started by it) on
 this machine, a fresh cluster each time, data under a temporary directory on the data disk:
@@ -11,6 +11,10 @@ this machine, a fresh cluster each time, data under a temporary directory on the
    over both members), then one connection appending 100 B sequentially (latency p50/p99, h2load's
    per-request log), over two streams, one on each member. A replicated cluster is measured only
    once both owners report their follower in sync. Medians of the rounds and their ratio.
+1b. pinned: part 1's 16-connection load with every serving replica (each member's owner, or its
+   only copy) on core 0 and everything else (followers, HAProxy, etcd, h2load) on core 1, so the
+   follower's work does not come out of the owners' CPU, as on machines of their own. Needs 2
+   cores; appends/s, CPU per append and how busy core 0 was, per round and as medians.
 2. failover: `--replicas 2 --fsync always`; a trickle of appends (one client per member, 100 B
    every 20 ms, retrying a failed append every 50 ms) to 8 streams on m0 and 8 on m1; the owner of
    m0 is killed with SIGKILL; failover = kill until an append to one of m0's streams (sent after
@@ -56,12 +60,13 @@ import httpx
 from ops.bench_cluster import children, measure
 from ops.bench_recovery import write_streams
 from ops.loadtest import h2load
+from ops.loadtest.servers import cpu_seconds
 from ops.serverproc import ServerProcess, launch
 from streamkeep.cluster.placement import Member, Placement
 
 PLACEMENT = Placement.of([Member("m0", ""), Member("m1", "")], 1)  # owners depend on the ids only
 TEXT = {"Content-Type": "text/plain"}
-PARTS = ("throughput", "failover", "redundancy", "many")
+PARTS = ("throughput", "pinned", "failover", "redundancy", "many")
 MIB = 1 << 20
 LOGS: Path | None = None  # --logs
 
@@ -341,6 +346,66 @@ def throughput(work: Path, rounds: int, seconds: float, count: int) -> dict[str,
     return {"runs": runs}
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of `pid` (a process's threads each have their own affinity) onto `cores`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except (ProcessLookupError, OSError):
+            pass  # a thread that ended meanwhile
+
+
+def owners_pinned(work: Path, rounds: int, seconds: float) -> dict[str, Any]:
+    """Part 1 with the owners on a core of their own: every serving replica (the members'
+    owners, or the single copies) on core 0, everything else (followers, HAProxy, etcd, the
+    supervisor, h2load) on core 1. On 2 cores this is the closest we get to the follower being
+    another machine's work: the ratio then says what replicating costs the owner itself."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        raise RuntimeError("needs 2 cores and sched_setaffinity")
+    body = work / "body100"
+    body.write_bytes(b"x" * 100)
+    mine = os.sched_getaffinity(0)
+    runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+    os.sched_setaffinity(0, {1})  # h2load, started from here, inherits it
+    try:
+        for number in range(rounds):
+            for replicas in (1, 2) if number % 2 == 0 else (2, 1):
+                cluster = start_cluster(work, replicas, "--fsync", "always", "--log-level", "warning")
+                try:
+                    owners = serving_pids(cluster, replicas)
+                    for pid in children(cluster.server.process.pid):
+                        pin(pid, {0} if pid in owners else {1})
+                    before = {pid: cpu_seconds(pid) for pid in owners}
+                    started = time.monotonic()
+                    rate, cpu = measure(cluster.server, body, False, seconds)
+                    wall = time.monotonic() - started
+                    owner_core = sum(cpu_seconds(pid) - before[pid] for pid in owners) / wall
+                    result = {"appends_per_s": rate, "cpu_us": cpu, "owner_core_busy": owner_core}
+                finally:
+                    cluster.stop()
+                runs[replicas].append(result)
+                print(f"  pinned round {number + 1}, --replicas {replicas}: {json.dumps(result)}", flush=True)
+    finally:
+        os.sched_setaffinity(0, mine)
+    return {"runs": runs}
+
+
+def serving_pids(cluster: Cluster, replicas: int) -> set[int]:
+    """The processes that serve HTTP: each member's owner (or its only copy)."""
+    if replicas == 2:
+        found = {cluster.pid(cluster.owner(member)) for member in ("m0", "m1")}
+        return {pid for pid in found if pid is not None}
+    serving = set()
+    for pid in children(cluster.server.process.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and b"streamkeep" in argv:
+            serving.add(pid)
+    return serving
+
+
 def failover(work: Path, trials: int) -> dict[str, Any]:
     results = []
     for number in range(trials):
@@ -570,6 +635,25 @@ def report(results: dict[str, Any], argv: list[str]) -> None:
             f"- latency added by the follower: p50 {added50:+.3f} ms, p99 {added99:+.3f} ms (target <= 1 ms) -> "
             + ("met" if max(added50, added99) <= 1 else "NOT met")
         )
+    if "pinned" in results:
+        runs = results["pinned"]["runs"]
+        print("\n| owners on core 0, all else on core 1 | --replicas 1 | --replicas 2 | ratio |")
+        print("|---|---|---|---|")
+        for label, key, form in (
+            ("appends/s, 16 connections, 100 B (median)", "appends_per_s", "{:,.0f}"),
+            ("server CPU per append, all processes (median)", "cpu_us", "{:,.0f} us"),
+            ("core 0 (the owners) busy (median)", "owner_core_busy", "{:.0%}"),
+        ):
+            one = median([run[key] for run in runs[1]])
+            two = median([run[key] for run in runs[2]])
+            print(f"| {label} | {form.format(one)} | {form.format(two)} | {two / one:.2f}x |")
+        print(
+            "| appends/s, every round | "
+            + ", ".join(f"{run['appends_per_s']:,.0f}" for run in runs[1])
+            + " | "
+            + ", ".join(f"{run['appends_per_s']:,.0f}" for run in runs[2])
+            + " | |"
+        )
     if "failover" in results:
         trials = results["failover"]["trials"]
         print("\n| failover of m0 (owner SIGKILLed), under a trickle | each trial | median |")
@@ -659,6 +743,9 @@ def main() -> int:
         if "throughput" in parts:
             print("throughput and latency, --replicas 1 and 2 alternating ...", flush=True)
             results["throughput"] = throughput(work, args.rounds, args.seconds, args.latency_count)
+        if "pinned" in parts:
+            print("throughput with the owners on a core of their own ...", flush=True)
+            results["pinned"] = owners_pinned(work, args.rounds, args.seconds)
         if "failover" in parts:
             print("failover under a trickle ...", flush=True)
             results["failover"] = failover(work, args.failovers)
