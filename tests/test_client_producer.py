@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -411,6 +412,32 @@ async def leaving_on_an_exception_fails_unanswered_receipts(server: ServerProces
     assert await read_all(server, path) == (b"", False)
 
 
+async def chaos_keeps_exactly_once_and_order(server: ServerProcess, seed: int = 24) -> None:
+    """Pipelined batches while a seeded fault plan drops a fifth of the answers (after the server
+    wrote them) and holds another fifth back: every item is in the stream once, in append order."""
+    plan = random.Random(seed)
+    path = await create(server)
+    items = [f"c{i:03d};".encode() for i in range(150)]
+
+    async def body(proxy: FaultProxy) -> None:
+        proxy.drop_answer = lambda r: r.method == "POST" and plan.random() < 0.2
+        proxy.hold = lambda r: plan.uniform(0, 0.03) if r.method == "POST" and plan.random() < 0.2 else 0.0
+        async with Client(proxy.url) as client:
+            stream = client.stream(path, content_type="text/plain")
+            retry = RetryPolicy(attempts=20, base_delay=0.01, max_delay=0.05)
+            async with producer(stream, max_in_flight=5, max_batch_bytes=15, retry=retry) as p:
+                for item in items:
+                    p.append(item)
+                    if plan.random() < 0.5:
+                        await anyio.lowlevel.checkpoint()
+                await p.flush()
+
+    proxy = await with_proxy(server, body)
+    assert proxy.dropped, "the plan dropped nothing"
+    assert 204 in proxy.statuses  # some repeats were answered as duplicates
+    assert await read_all(server, path) == (b"".join(items), False)
+
+
 # trio -----------------------------------------------------------------------------------------
 
 
@@ -450,6 +477,7 @@ async def test_auto_claim_takes_the_next_epoch_and_pipelines(server: ServerProce
         auto_claim_takes_the_next_epoch_and_pipelines,
         a_fenced_producer_without_auto_claim_fails_with_stale_epoch,
         leaving_on_an_exception_fails_unanswered_receipts,
+        chaos_keeps_exactly_once_and_order,
     ],
     ids=lambda scenario: scenario.__name__,
 )
@@ -651,3 +679,44 @@ async def test_data_a_stream_cannot_take_is_refused_at_append(server: ServerProc
                 p.append({"a": 1})
             await p.append("ok")
     assert await read_all(server, path) == (b"ok", False)
+
+
+async def test_chaos_keeps_exactly_once_and_order(server: ServerProcess) -> None:
+    await chaos_keeps_exactly_once_and_order(server)
+
+
+async def test_a_batch_fenced_on_its_retry_is_not_sent_again_when_a_later_seq_proves_it(
+    server: ServerProcess,
+) -> None:
+    """Seq 1 is written but its answer lost; seq 2 is written after it; then another instance
+    fences the epoch, so seq 1's retry is refused with 403. Seq 2's success proves seq 1 is in
+    the stream: the claim must not send it again (exactly once, even across the claim)."""
+    path = await create(server)
+
+    def hold(request: Request) -> float:
+        if request.method == "POST" and request.seq == 2 and len(proxy_ref[0].posts(2)) == 1:
+            return 0.05  # seq 1 reaches the server first
+        if request.method == "POST" and request.seq == 1 and len(proxy_ref[0].posts(1)) == 2:
+            return 0.4  # the retry of seq 1 arrives after the fence
+        return 0.0
+
+    proxy_ref: list[FaultProxy] = []
+
+    async def body(proxy: FaultProxy) -> None:
+        proxy_ref.append(proxy)
+        proxy.drop_answer = FirstOfEach({1})
+        proxy.hold = hold
+        async with Client(proxy.url) as client:
+            stream = client.stream(path, content_type="text/plain")
+            async with producer(stream, "pf", auto_claim=True, max_batch_bytes=2, linger=0) as p:
+                await p.append(b"0;")
+                first, second = p.append(b"1;"), p.append(b"2;")
+                await second
+                assert await raw_append(server, path, b"F;", "pf", 5, 0) == 200
+                assert (await first).duplicate
+                await p.append(b"3;")
+                assert p.epoch == 6
+
+    proxy = await with_proxy(server, body)
+    assert [r.epoch for r in proxy.posts(1)] == [0, 0]  # never sent in the claimed epoch
+    assert await read_all(server, path) == (b"0;1;2;F;3;", False)

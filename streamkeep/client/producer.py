@@ -523,6 +523,12 @@ class IdempotentProducer:
                 result = dataclasses.replace(result, duplicate=False)
             self._written(batch, result)
             return
+        proof = self._written_after(batch)
+        if proof is not None:
+            # Whatever this answer says (a lost answer, a fence, retries spent), a later seq of the
+            # same epoch was written, which the server allows only once this one is there.
+            self._written(batch, dataclasses.replace(proof, duplicate=True))
+            return
         current = batch.epoch == self._epoch
         if isinstance(outcome, _Superseded):
             self._requeue(batch)
@@ -555,12 +561,6 @@ class IdempotentProducer:
                 # one's success): sent again once the batches before it are written.
                 batch.state = _BLOCKED
             return
-        if _retryable(error) and current:
-            proof = self._written_after(batch)
-            if proof is not None:
-                # Retries spent, but a later seq of the epoch was written: so was this one.
-                self._written(batch, dataclasses.replace(proof, duplicate=True))
-                return
         self._fail(batch, error)
 
     def _written(self, batch: _Batch, result: AppendResult) -> None:
@@ -568,6 +568,15 @@ class IdempotentProducer:
             self._epoch_confirmed = True
             self._claims = 0
         self._finish(batch, result=result)
+        # The batches before it sent in the same epoch and waiting to go again (their answers
+        # lost, then fenced; or refused with 409 while an earlier try was still on its way) are
+        # written too: seqs are taken in order. Without this a claim would send them twice.
+        proven = dataclasses.replace(result, duplicate=True)
+        for earlier in self._window:
+            if earlier is batch:
+                break
+            if earlier.epoch == batch.epoch and earlier.state in (_READY, _BLOCKED):
+                self._finish(earlier, result=proven)
 
     def _requeue(self, batch: _Batch) -> None:
         batch.state = _READY
