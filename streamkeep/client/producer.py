@@ -25,7 +25,8 @@ Why it works the way it does:
   request of the old epoch to be answered (one of them may still be written, and order must hold),
   and sends everything unwritten again from seq 0. Writes are exactly-once within an epoch and
   at-least-once across a claim: a batch whose answer was lost just before the fence cannot be
-  asked about any more (every old-epoch request is now refused), so it is sent again.
+  asked about any more (every old-epoch request is now refused), so it is sent again, unless a
+  later seq of its epoch was written (see below), which proves it is there.
 - A batch refused for a cause a retry cannot change (400, 404, 409 closed, 410, 413, a fence
   without `auto_claim`, retries spent) fails, and so does every batch after it: they could only be
   written by skipping its seq, which the server refuses, and the producer does not move to a new
