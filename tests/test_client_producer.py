@@ -91,6 +91,8 @@ class FaultProxy:
     statuses: list[int] = field(default_factory=list)
     dropped: list[Request] = field(default_factory=list)
     port: int = 0
+    outstanding: int = 0  # requests received and not yet answered (or dropped)
+    peak: int = 0
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
@@ -129,6 +131,8 @@ class FaultProxy:
                             if canned is not None:
                                 await send(client, canned)
                                 continue
+                            self.outstanding += 1
+                            self.peak = max(self.peak, self.outstanding)
                             delay = self.hold(request)
                             if delay:
                                 await anyio.sleep(delay)
@@ -145,9 +149,11 @@ class FaultProxy:
                             group.cancel_scope.cancel()
                             return
                         if drop_next[0]:
+                            self.outstanding -= 1
                             group.cancel_scope.cancel()  # both sides close: no answer ever arrives
                             return
                         if chunk.startswith(b"HTTP/1.1 "):
+                            self.outstanding -= 1
                             self.statuses.append(int(chunk[9:12]))
                         await send(client, chunk)
 
@@ -321,6 +327,7 @@ async def pipelined_batches_keep_append_order(server: ServerProcess) -> None:
 
     proxy = await with_proxy(server, body)
     assert 409 in proxy.statuses, "no batch overtook seq 1: the test did not pipeline"
+    assert 2 <= proxy.peak <= 5  # max_in_flight bounds what is out at once
     assert max(len(r.body) for r in proxy.posts()) <= len(items[0]) * 2
     assert await read_all(server, path) == (b"".join(items), False)
 
