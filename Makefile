@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
-	bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
+	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture docs
 
 venv: $(VENV_STAMP)
@@ -102,6 +102,23 @@ conformance-auth: $(VENV_STAMP) $(NPM_STAMP)
 conformance-quart: $(VENV_STAMP) $(NPM_STAMP)
 	$(PY) -m ops.run_conformance --edge quart
 	$(PY) -m ops.run_conformance --edge quart --storage disk --tls-h2
+
+## Upstream's client conformance suite against streamkeep.client (not part of `make test`: it runs
+## from a checkout of the durable-streams repository, pinned to one commit in ops/client_conformance).
+## Make one from the project's snapshot (these two packages; the whole tree lacks a blob):
+##   mkdir -p /tmp/ds-upstream && git -C /work/.mirror/durable-streams+durable-streams/repo archive \
+##     82f9963ae0b489566352393be9b4796c788c99c2 packages/client-conformance-tests packages/client-py | tar -x -C /tmp/ds-upstream
+## make client-conformance UPSTREAM=/tmp/ds-upstream [ARGS="--server streamkeep" | ARGS="--adapter ts" | ARGS="-- --suite producer"]
+CLIENT_NPM_STAMP := ops/client_conformance/node_modules/.installed
+
+$(CLIENT_NPM_STAMP): ops/client_conformance/package.json ops/client_conformance/package-lock.json
+	@command -v npm >/dev/null || { echo "need Node 20.11+ with npm on PATH for the client conformance suite"; exit 1; }
+	cd ops/client_conformance && npm ci --no-audit --no-fund
+	@touch $@
+
+client-conformance: $(VENV_STAMP) $(CLIENT_NPM_STAMP)
+	@test -n "$(UPSTREAM)" || { echo "usage: make client-conformance UPSTREAM=DIR (a checkout of durable-streams/durable-streams; see the Makefile)"; exit 2; }
+	$(PY) -m ops.client_conformance --upstream $(UPSTREAM) $(ARGS)
 
 ## Benchmarks (not part of `make test`; they measure, they do not assert). `make bench` runs the load
 ## tests beside the Node reference server and rakaia-streams (the Python peer) plus recovery, cold-tier
@@ -202,4 +219,4 @@ torture: $(VENV_STAMP)
 	$(PY) -m ops.torture $(if $(ARGS),$(ARGS),all --total-minutes $(DURATION) --seed $(SEED))
 
 clean:
-	rm -rf $(VENV) conformance/node_modules .pytest_cache .ruff_cache .mypy_cache .import_linter_cache
+	rm -rf $(VENV) conformance/node_modules ops/client_conformance/node_modules ops/client_conformance/suite .pytest_cache .ruff_cache .mypy_cache .import_linter_cache
