@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -98,7 +99,7 @@ def check_upstream(upstream: Path, allow_other: bool) -> None:
     print("WARNING: " + message, file=sys.stderr)
 
 
-def prepare_suite(upstream: Path) -> None:
+def prepare_suite(upstream: Path, unskip: bool) -> None:
     if not (HERE / "node_modules" / "tsx").is_dir():
         sys.exit(
             "the runner's npm dependencies are missing: run `make client-conformance UPSTREAM=...`"
@@ -111,6 +112,10 @@ def prepare_suite(upstream: Path) -> None:
     for name in ("src", "test-cases"):
         shutil.copytree(suite / name, WORK / name)
     shutil.copy2(suite / "package.json", WORK / "package.json")
+    if unskip:  # the copy is run, not the checkout: the suite's tree hash was checked already
+        for case_file in (WORK / "test-cases").rglob("*.yaml"):
+            text = case_file.read_text()
+            case_file.write_text(re.sub(r"(?m)^(\s+)skip: .*$", r"\1# (skip: dropped by --unskip)", text))
 
 
 def adapter_command(kind: str, upstream: Path) -> str:
@@ -153,13 +158,18 @@ def main() -> int:
         "--backend", choices=["asyncio", "trio"], default="asyncio", help="the event loop our adapter runs on"
     )
     parser.add_argument("--allow-other-commit", action="store_true")
+    parser.add_argument(
+        "--unskip",
+        action="store_true",
+        help="run the cases the suite marks `skip:` too (upstream skips them for all)",
+    )
     parser.add_argument("--log", type=Path, help="also write the runner's output here")
     parser.add_argument("runner_args", nargs="*", help="passed to the runner (after --)")
     args = parser.parse_args()
 
     upstream = args.upstream.resolve()
     check_upstream(upstream, args.allow_other_commit)
-    prepare_suite(upstream)
+    prepare_suite(upstream, args.unskip)
     adapter = adapter_command(args.adapter, upstream)
 
     env = dict(os.environ)

@@ -266,9 +266,12 @@ class Adapter:
         up_to_date = False
         closed = False
         cursor: str | None = None
+        status: int | None = None  # the first answer's, as upstream's adapters report it
         with anyio.move_on_after(timeout) as deadline:
             async with self.stream(path).read(offset=offset, live=live) as reader:
                 async for batch in reader:
+                    if status is None:
+                        status = getattr(batch, "status", 200)  # Batch.status is asked for (AGREEMENT)
                     final_offset = batch.next_offset
                     up_to_date = batch.up_to_date
                     closed = batch.closed
@@ -292,7 +295,7 @@ class Adapter:
         answer: dict[str, Any] = {
             "type": "read",
             "success": True,
-            "status": 200,
+            "status": status or 200,
             "chunks": chunks,
             "offset": final_offset,
             "upToDate": up_to_date,
@@ -357,12 +360,17 @@ class Adapter:
         data = command.get("data")
         if data is not None:
             producer.append(data)
-        await producer.close(close_stream=True)
-        # close() answers nothing: the final offset is the closed stream's tail.
-        info = await self.stream(command["path"]).head()
+        result = await producer.close(close_stream=True)
+        # A second close of the same producer does nothing and answers None: the final offset is
+        # then the closed stream's tail.
+        final = (
+            result.next_offset
+            if result is not None
+            else (await self.stream(command["path"]).head()).next_offset
+        )
         answer: dict[str, Any] = {"type": "idempotent-close", "success": True, "status": 200}
-        if info.next_offset is not None:
-            answer["finalOffset"] = info.next_offset
+        if final is not None:
+            answer["finalOffset"] = final
         return answer
 
     async def idempotent_detach(self, command: dict[str, Any]) -> dict[str, Any]:
