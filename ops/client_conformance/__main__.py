@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -155,6 +156,11 @@ def main() -> int:
         help="the runner's own reference server (default), or streamkeep behind a fault-injecting proxy",
     )
     parser.add_argument(
+        "--serve-args",
+        default="",
+        help='more `streamkeep serve` flags with --server streamkeep, one string: --serve-args="--edge quart"',
+    )
+    parser.add_argument(
         "--backend", choices=["asyncio", "trio"], default="asyncio", help="the event loop our adapter runs on"
     )
     parser.add_argument("--allow-other-commit", action="store_true")
@@ -180,7 +186,7 @@ def main() -> int:
 
         # As the server suite runs it (ops/run_conformance.py), and with the reference server's
         # long-poll timeout for this suite (runner.ts: 500 ms, shorter than the cases' 1 s waits).
-        server = start("--storage", "memory", "--long-poll-timeout", "0.5")
+        server = start("--storage", "memory", "--long-poll-timeout", "0.5", *shlex.split(args.serve_args))
         print(f"streamkeep serve at {server.url}", flush=True)
         env["STREAMKEEP_URL"] = server.url
         hook = (HERE / "server-hook.mjs").as_uri()
