@@ -21,6 +21,7 @@ from streamkeep.client.errors import (
     Conflict,
     ConnectionFailed,
     PayloadTooLarge,
+    ProtocolError,
     SequenceConflict,
     StaleEpoch,
     StreamClosed,
@@ -32,6 +33,7 @@ from streamkeep.client.errors import (
     Unavailable,
 )
 from streamkeep.client.http import HttpTransport, RetryPolicy
+from streamkeep.client.producer import IdempotentProducer, ProducerClosed, Receipt
 from streamkeep.client.reader import Batch, LiveMode, Messages, Reader
 from streamkeep.client.stream import AppendResult, Stream, StreamInfo
 
@@ -43,10 +45,14 @@ __all__ = [
     "Conflict",
     "ConnectionFailed",
     "HttpTransport",
+    "IdempotentProducer",
     "LiveMode",
     "Messages",
     "PayloadTooLarge",
+    "ProducerClosed",
+    "ProtocolError",
     "Reader",
+    "Receipt",
     "RetryPolicy",
     "SequenceConflict",
     "StaleEpoch",

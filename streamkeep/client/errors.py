@@ -115,6 +115,11 @@ class Unavailable(StreamError):
         self.retry_after = retry_after
 
 
+class ProtocolError(StreamError):
+    """An answer the client cannot read (status 0): a malformed SSE control event, base64 that
+    does not decode, a JSON stream's body that is not JSON. Reconnecting cannot help."""
+
+
 class ConnectionFailed(StreamError):
     """The server could not be reached, or the connection broke, after the retries (status 0)."""
 
@@ -210,6 +215,7 @@ __all__ = [
     "Conflict",
     "ConnectionFailed",
     "PayloadTooLarge",
+    "ProtocolError",
     "SequenceConflict",
     "StaleEpoch",
     "StreamClosed",

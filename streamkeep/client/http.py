@@ -8,6 +8,9 @@ in one place. The retry rules, and why:
   `Retry-After` when the server gives one. The exception is a 503 whose code is `not_durable`
   (streamkeep: "it was done, but could not be made durable"): a non-idempotent request is not
   repeated then, since it happened.
+- 500, 502 and 504 are repeated for idempotent requests only: a gateway's 502 during a failover
+  is worth waiting out, but a plain append answered 500 may have been appended (at most once;
+  an idempotent producer's appends, which carry `Producer-Id`, are idempotent and repeated).
 - A connection that could not be opened (connect error or timeout, no free connection) sent
   nothing, so any method may repeat it.
 - A connection that broke after the request went out may or may not have done it: only idempotent
@@ -39,6 +42,9 @@ Params = Mapping[str, str]
 
 IDEMPOTENT_METHODS = frozenset(("GET", "HEAD", "PUT", "DELETE", "OPTIONS"))
 RETRYABLE_STATUSES = frozenset((429, 503))
+# Server and gateway failures (a proxy's 502 or 504 during a failover): repeated only for
+# idempotent requests, since a 500 may come after the change was made.
+IDEMPOTENT_RETRYABLE_STATUSES = frozenset((500, 502, 504))
 # Failures where the request never left: safe to repeat whatever the method.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -71,6 +77,8 @@ def is_idempotent(method: str, headers: HeaderMap) -> bool:
 
 
 def _may_retry_status(error: StreamError, idempotent: bool) -> bool:
+    if error.status in IDEMPOTENT_RETRYABLE_STATUSES:
+        return idempotent
     if error.status not in RETRYABLE_STATUSES:
         return False
     return idempotent or error.code != "not_durable"

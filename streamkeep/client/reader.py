@@ -23,7 +23,7 @@ import anyio
 import httpx
 
 from streamkeep.client import sse
-from streamkeep.client.errors import BadRequest, ConnectionFailed, StreamError
+from streamkeep.client.errors import BadRequest, ConnectionFailed, ProtocolError, StreamError
 from streamkeep.client.http import HeaderMap, HttpTransport, Params
 
 LiveMode = Literal[False, "long-poll", "sse", "auto"]
@@ -35,7 +35,7 @@ class Batch:
     """What one answer (or one SSE data+control pair) held.
 
     `data` is the bytes (base64 already decoded); `messages` the JSON values for a JSON stream
-    (the array flattened one level, §9.1), else None. `offset` is where the batch starts and
+    (the array flattened one level, §9.1), else None. `status` is the HTTP status of the answer. `offset` is where the batch starts and
     `next_offset` where the next read starts; `up_to_date` says the reader had caught up with the
     stream then, `closed` that nothing will ever follow (EOF)."""
 
@@ -46,6 +46,9 @@ class Batch:
     up_to_date: bool
     closed: bool
     cursor: str | None
+    # The answer's HTTP status: 204 for a long-poll that timed out (or an empty EOF), else 200
+    # (SSE batches included).
+    status: int = 200
 
 
 def media_type(content_type: str | None) -> str:
@@ -66,7 +69,7 @@ def _json_body(body: bytes) -> list[Any]:
     try:
         value = jsonlib.loads(body)
     except ValueError as exc:
-        raise StreamError(f"a JSON stream answered a body that is not JSON: {body[:200]!r}") from exc
+        raise ProtocolError(f"a JSON stream answered a body that is not JSON: {body[:200]!r}") from exc
     return value if isinstance(value, list) else [value]
 
 
@@ -288,12 +291,21 @@ class Reader:
         cursor = headers.get("stream-cursor")
         if response.status_code == 204:  # a long-poll that timed out, or EOF
             self._advance(next_offset, cursor, True, closed)
-            return Batch(b"", None, start, self._offset, True, closed, self._cursor)
+            return Batch(b"", None, start, self._offset, True, closed, self._cursor, status=204)
         body = response.content
         messages = _json_body(body) if self._is_json(content_type) else None
         data = body if messages is None or messages else b""
         self._advance(next_offset, cursor, up_to_date, closed)
-        return Batch(data, messages, start, self._offset, self._up_to_date, closed, self._cursor)
+        return Batch(
+            data,
+            messages,
+            start,
+            self._offset,
+            self._up_to_date,
+            closed,
+            self._cursor,
+            status=response.status_code,
+        )
 
     # -- SSE --------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from streamkeep.client.errors import StreamError
+from streamkeep.client.errors import ProtocolError
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
@@ -97,9 +97,9 @@ def parse_control(data: str) -> Control:
     try:
         fields = json.loads(data)
     except ValueError as exc:
-        raise StreamError(f"malformed SSE control event: {data[:200]!r}") from exc
+        raise ProtocolError(f"malformed SSE control event: {data[:200]!r}") from exc
     if not isinstance(fields, dict) or not isinstance(fields.get("streamNextOffset"), str):
-        raise StreamError(f"SSE control event without streamNextOffset: {data[:200]!r}")
+        raise ProtocolError(f"SSE control event without streamNextOffset: {data[:200]!r}")
     closed = fields.get("streamClosed") is True
     cursor = fields.get("streamCursor")
     return Control(
@@ -120,7 +120,7 @@ def decode_data(data: str, *, base64_mode: bool) -> bytes:
     try:
         return base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise StreamError(f"SSE data event is not valid base64: {compact[:100]!r}") from exc
+        raise ProtocolError(f"SSE data event is not valid base64: {compact[:100]!r}") from exc
 
 
 def json_messages(data: str) -> list[Any]:
@@ -129,7 +129,7 @@ def json_messages(data: str) -> list[Any]:
     try:
         value = json.loads(data)
     except ValueError as exc:
-        raise StreamError(f"SSE data event of a JSON stream is not JSON: {data[:200]!r}") from exc
+        raise ProtocolError(f"SSE data event of a JSON stream is not JSON: {data[:200]!r}") from exc
     return value if isinstance(value, list) else [value]
 
 

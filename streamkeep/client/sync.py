@@ -1,0 +1,214 @@
+"""A blocking facade for scripts: the same names as the async API, run on an event loop in a
+thread of its own (anyio's blocking portal), so a program without async code can use the client.
+
+    from streamkeep.client.sync import Client
+
+    with Client("http://127.0.0.1:4437") as client:
+        stream = client.stream("logs")
+        stream.create(content_type="text/plain")
+        stream.append("hello")
+        for batch in stream.read():
+            print(batch.data)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterator
+from contextlib import AbstractContextManager
+from functools import partial
+from types import TracebackType
+from typing import Any, Self
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from streamkeep.client.client import Client as AsyncClient
+from streamkeep.client.producer import IdempotentProducer
+from streamkeep.client.reader import Batch, LiveMode, Reader
+from streamkeep.client.stream import AppendResult, StreamInfo
+from streamkeep.client.stream import Stream as AsyncStream
+
+
+class Client:
+    """`streamkeep.client.Client`, blocking. Takes the same arguments, plus `backend` ("asyncio"
+    or "trio") for the loop in its thread. Close it (or use `with`) to stop that thread."""
+
+    def __init__(self, base_url: str, *, backend: str = "asyncio", **options: Any) -> None:
+        self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal(backend)
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._client = self._portal.call(_build, base_url, options)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    def stream(self, name_or_path: str, *, content_type: str | None = None) -> Stream:
+        return Stream(self._portal, self._client.stream(name_or_path, content_type=content_type))
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._client.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+async def _build(base_url: str, options: dict[str, Any]) -> AsyncClient:
+    """Made inside the loop's thread, where its connection pool will live."""
+    return AsyncClient(base_url, **options)
+
+
+class Stream:
+    """`streamkeep.client.Stream`, blocking."""
+
+    def __init__(self, portal: BlockingPortal, stream: AsyncStream) -> None:
+        self._portal = portal
+        self.stream = stream
+
+    def __repr__(self) -> str:
+        return f"sync.{self.stream!r}"
+
+    @property
+    def url(self) -> str:
+        return self.stream.url
+
+    def create(self, **options: Any) -> StreamInfo:
+        return self._portal.call(partial(self.stream.create, **options))
+
+    def head(self) -> StreamInfo:
+        return self._portal.call(self.stream.head)
+
+    def exists(self) -> bool:
+        return self._portal.call(self.stream.exists)
+
+    def append(self, data: Any, **options: Any) -> AppendResult:
+        return self._portal.call(partial(self.stream.append, data, **options))
+
+    def close(self) -> AppendResult:
+        return self._portal.call(self.stream.close)
+
+    def delete(self) -> None:
+        self._portal.call(self.stream.delete)
+
+    def read(
+        self,
+        *,
+        offset: str = "-1",
+        live: LiveMode = False,
+        json: bool | None = None,
+        cursor: str | None = None,
+    ) -> Iterator[Batch]:
+        """The batches, each fetched when asked for; leaving the loop closes an SSE response."""
+        reader = self.stream.read(offset=offset, live=live, json=json, cursor=cursor)
+        return _iterate(self._portal, reader)
+
+    def messages(
+        self, *, offset: str = "-1", live: LiveMode = False, json: bool | None = None
+    ) -> Iterator[Any]:
+        for batch in self.read(offset=offset, live=live, json=json):
+            if batch.messages is not None:
+                yield from batch.messages
+            elif batch.data:
+                yield batch.data
+
+    def read_all(self, *, offset: str = "-1") -> list[Batch]:
+        return list(self.read(offset=offset))
+
+    def producer(self, producer_id: str, **options: Any) -> Producer:
+        return Producer(self._portal, self._portal.call(_make_producer, self.stream, producer_id, options))
+
+
+def _iterate(portal: BlockingPortal, reader: Reader) -> Iterator[Batch]:
+    try:
+        while True:
+            try:
+                yield portal.call(reader.__anext__)
+            except StopAsyncIteration:
+                return
+    finally:
+        try:
+            portal.call(reader.aclose)
+        except RuntimeError:
+            pass  # the client (and its loop) closed first: the response went with them
+
+
+async def _make_producer(
+    stream: AsyncStream, producer_id: str, options: dict[str, Any]
+) -> IdempotentProducer:
+    return IdempotentProducer(stream, producer_id, **options)
+
+
+class Receipt:
+    """What a blocking producer's `append` returns: `wait()` blocks until the server has it."""
+
+    def __init__(self, portal: BlockingPortal, receipt: Awaitable[Any]) -> None:
+        self._portal = portal
+        self._receipt = receipt
+
+    def wait(self) -> Any:
+        return self._portal.call(_await, self._receipt)
+
+
+async def _await(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+class Producer:
+    """`streamkeep.client.producer.IdempotentProducer`, blocking and already entered (its sender
+    runs on the client's loop until `close`): `append` enqueues and returns a `Receipt` at once;
+    `flush` and `close` block until the server answered everything queued."""
+
+    def __init__(self, portal: BlockingPortal, producer: IdempotentProducer) -> None:
+        self._portal = portal
+        # The producer's task group must be entered and left by one task: the portal keeps one
+        # task for it, from here until `close`.
+        self._entered = portal.wrap_async_context_manager(producer)
+        self.producer = self._entered.__enter__()
+        self._open = True
+
+    def append(self, data: Any) -> Receipt:
+        return Receipt(self._portal, self._portal.call(_enqueue, self.producer, data))
+
+    def flush(self) -> None:
+        self._portal.call(self.producer.flush)
+
+    def close(self, *, close_stream: bool = False) -> None:
+        """Delivers what is queued (closing the stream too with `close_stream`), then stops."""
+        if not self._open:
+            return
+        self._open = False
+        try:
+            self._portal.call(partial(self.producer.close, close_stream=close_stream))
+        except BaseException as error:
+            self._entered.__exit__(type(error), error, error.__traceback__)
+            raise
+        self._entered.__exit__(None, None, None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+async def _enqueue(producer: IdempotentProducer, data: Any) -> Awaitable[Any]:
+    """Runs `append` in the loop's thread; its receipt is awaited later, by `Receipt.wait`."""
+    receipt: Awaitable[Any] = producer.append(data)
+    return receipt
+
+
+__all__ = ["Client", "Producer", "Receipt", "Stream"]
