@@ -19,6 +19,7 @@ from streamkeep.client import (
     Client,
     Conflict,
     ConnectionFailed,
+    IdempotentProducer,
     RetryPolicy,
     SequenceConflict,
     StaleEpoch,
@@ -210,6 +211,17 @@ async def test_a_signed_link_keeps_its_query_on_every_request(server: ServerProc
     assert batches[0].data == b"hello"
     assert seen[0].host == "streams.example" and seen[0].params["signed"] == "v1.k.9.mac"
     assert list(seen[0].params.keys()) == ["offset", "signed"]  # sorted, for CDN keys
+
+
+async def test_stream_producer_builds_an_idempotent_producer(client: Client) -> None:
+    stream = client.stream(fresh())
+    await stream.create(content_type="application/json")
+    producer = stream.producer("maker", epoch=2)
+    assert isinstance(producer, IdempotentProducer) and producer.epoch == 2
+    async with producer:
+        receipt = producer.append({"made": True})
+    assert (await receipt).next_offset is not None
+    assert [m async for m in stream.messages()] == [{"made": True}]
 
 
 def test_stream_path_encodes_names_and_keeps_paths() -> None:

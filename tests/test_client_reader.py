@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -150,6 +151,34 @@ async def test_a_long_poll_that_times_out_is_an_empty_204_batch(client: Client) 
     assert batch.next_offset == tail and batch.cursor  # a cursor to echo on the next poll
     [catch_up] = await stream.read_all(offset="-1")
     assert catch_up.status == 200 and catch_up.data == b"before"
+
+
+async def test_auto_falls_back_to_long_poll_where_sse_is_refused() -> None:
+    asked: list[str | None] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        live = request.url.params.get("live")
+        asked.append(live)
+        if live == "sse":
+            return httpx.Response(400, json={"error": {"code": "no_sse", "message": "no SSE here"}})
+        offset = request.url.params["offset"]
+        headers = {"Content-Type": "text/plain", "Stream-Up-To-Date": "true", "Stream-Cursor": "7"}
+        if offset == "-1":
+            return httpx.Response(200, headers={**headers, "Stream-Next-Offset": "1"}, content=b"a")
+        return httpx.Response(
+            200, headers={**headers, "Stream-Next-Offset": "2", "Stream-Closed": "true"}, content=b"b"
+        )
+
+    async with Client("http://mock", transport=httpx.MockTransport(handler)) as client:
+        batches = [b async for b in client.stream("s", content_type="text/plain").read(live="auto")]
+    assert [b.data for b in batches] == [b"a", b"b"] and batches[-1].closed
+    assert asked == [None, "sse", "long-poll"]
+
+
+async def test_messages_of_a_byte_stream_are_its_chunks(client: Client) -> None:
+    stream, _ = await text_stream(client, "ab", "cd")
+    chunks = [chunk async for chunk in stream.messages()]
+    assert b"".join(chunks) == b"abcd" and all(isinstance(c, bytes) for c in chunks)
 
 
 # -- SSE framing ------------------------------------------------------------------------------
