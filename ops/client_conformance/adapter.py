@@ -31,6 +31,7 @@ from streamkeep.client import (
     Client,
     Conflict,
     ConnectionFailed,
+    ProtocolError,
     SequenceConflict,
     StaleEpoch,
     StreamClosed,
@@ -271,7 +272,7 @@ class Adapter:
             async with self.stream(path).read(offset=offset, live=live) as reader:
                 async for batch in reader:
                     if status is None:
-                        status = getattr(batch, "status", 200)  # Batch.status is asked for (AGREEMENT)
+                        status = batch.status
                     final_offset = batch.next_offset
                     up_to_date = batch.up_to_date
                     closed = batch.closed
@@ -495,12 +496,10 @@ def classify(exc: BaseException) -> tuple[str, int | None]:
         return "NETWORK_ERROR", None
     if isinstance(exc, StaleEpoch):
         return "UNEXPECTED_STATUS", exc.status
-    if isinstance(exc, StreamError):
-        if exc.status:
-            return "UNEXPECTED_STATUS", exc.status
-        # No status and not a connection: an answer the client could not read (a JSON body
-        # that is not JSON, an SSE control event that is not an object).
+    if isinstance(exc, ProtocolError):  # an answer the client could not read
         return "PARSE_ERROR", None
+    if isinstance(exc, StreamError):
+        return ("UNEXPECTED_STATUS", exc.status) if exc.status else ("INTERNAL_ERROR", None)
     if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
         return "PARSE_ERROR", None
     if isinstance(exc, TimeoutError):
