@@ -727,3 +727,28 @@ async def test_a_batch_fenced_on_its_retry_is_not_sent_again_when_a_later_seq_pr
     proxy = await with_proxy(server, body)
     assert [r.epoch for r in proxy.posts(1)] == [0, 0]  # never sent in the claimed epoch
     assert await read_all(server, path) == (b"0;1;2;F;3;", False)
+
+
+async def test_json_the_server_refuses_is_refused_at_append(server: ServerProcess) -> None:
+    """NaN/Infinity (Python's json extension, as values or as text), a byte order mark and
+    non-UTF-8 text are refused at `append`: the server would refuse the whole batch with 400 and
+    stop the producer, failing the good appends that shared the batch."""
+    path = await create(server, "application/json")
+    async with Client(server.url) as client:
+        async with producer(client.stream(path, content_type="application/json"), linger=0.05) as p:
+            good = p.append({"ok": 1})
+            for bad in (
+                {"v": float("nan")},
+                [float("-inf")],
+                "NaN",
+                b"-Infinity",
+                b'\xef\xbb\xbf{"a":1}',
+                "\ufeff1",
+                '{"a":1}'.encode("utf-16"),
+            ):
+                with pytest.raises(ValueError):
+                    p.append(bad)
+            last = p.append('{"ok":2}')
+            await p.flush()
+            assert (await good).status == 200 and await last == await good
+    assert await read_json(server, path) == [{"ok": 1}, {"ok": 2}]

@@ -159,6 +159,10 @@ class Receipt:
         return self._batch.seq
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _retryable(error: StreamError) -> bool:
     """Refusals a repeat of the same seq may get past, and connections that failed (status 0)."""
     return error.status == 0 or error.status in RETRY_STATUSES
@@ -177,7 +181,8 @@ class IdempotentProducer:
 
     JSON streams: every append is exactly one message, a batch is a JSON array of them (the
     server flattens one level, §9.1.2). Bytes and text are taken as one already-encoded JSON value
-    (checked at `append`); anything else is encoded with `json.dumps`. Other streams have no
+    (checked at `append` as the server checks it: UTF-8 without a byte order mark, no NaN or
+    Infinity); anything else is encoded with `json.dumps` (NaN and Infinity refused). Other streams have no
     message boundaries (§9): a batch is the appends' bytes concatenated, text as UTF-8, so frame
     records yourself (a newline, a length prefix) if readers must split them.
     """
@@ -315,11 +320,20 @@ class IdempotentProducer:
 
     def _encode(self, data: Any) -> bytes:
         if self._json:
+            # One item the server refuses fails its whole batch and stops the producer, so
+            # everything the server's strict parser refuses is refused here, at `append`.
             if isinstance(data, bytes | bytearray | memoryview | str):
-                text = bytes(data) if not isinstance(data, str) else data.encode("utf-8")
-                jsonlib.loads(text)  # one bad item would fail its whole batch at the server
-                return text
-            return jsonlib.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+                raw = bytes(data) if not isinstance(data, str) else data.encode("utf-8")
+                # Strictly UTF-8 without a BOM (json.loads would take UTF-16/32 and skip a BOM).
+                text = raw.decode("utf-8")
+                if text.startswith("\ufeff"):
+                    raise ValueError("JSON text must not start with a byte order mark")
+                jsonlib.loads(text, parse_constant=_refuse_constant)
+                return raw
+            # NaN and Infinity are Python's extension, not JSON (RFC 8259): the server refuses them.
+            return jsonlib.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+                "utf-8"
+            )
         if isinstance(data, bytearray | memoryview):
             data = bytes(data)
         elif isinstance(data, str):
