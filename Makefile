@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
-	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
+	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture docs
 
 venv: $(VENV_STAMP)
@@ -143,10 +143,25 @@ $(RAKAIA_STAMP): ops/bench/rakaia-requirements.txt
 	$(RAKAIA_VENV)/bin/python -m pip install --quiet -r ops/bench/rakaia-requirements.txt
 	@touch $@
 
+# The PyPI Durable Streams client (0.1.0, the last release), beside ours in `make bench-client`, in a
+# virtualenv of its own.
+PYPI_CLIENT_VENV := ops/bench/.venv-pypi-client
+PYPI_CLIENT_STAMP := $(PYPI_CLIENT_VENV)/.installed
+
+$(PYPI_CLIENT_STAMP):
+	$(PYTHON) -m venv $(PYPI_CLIENT_VENV)
+	$(PYPI_CLIENT_VENV)/bin/python -m pip install --quiet durable-streams==0.1.0
+	@touch $@
+
+## streamkeep.client's producer vs h2load, and its catch-up reader vs a plain GET loop, beside the PyPI
+## client (~1 minute).
+bench-client: $(VENV_STAMP) h2load $(PYPI_CLIENT_STAMP)
+	$(PY) -m ops.bench_client --pypi-python $(PYPI_CLIENT_VENV)/bin/python
+
 h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }
 
-bench: bench-load bench-auth bench-compaction bench-recovery bench-cold bench-spark bench-cluster
+bench: bench-load bench-auth bench-compaction bench-recovery bench-cold bench-spark bench-cluster bench-client
 
 ## What surviving a lost machine would cost an append: fdatasync, a follower's round trip, S3 PUTs on
 ## moto (docs/scaling.md; ~10 s).
