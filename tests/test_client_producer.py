@@ -752,3 +752,47 @@ async def test_json_the_server_refuses_is_refused_at_append(server: ServerProces
             await p.flush()
             assert (await good).status == 200 and await last == await good
     assert await read_json(server, path) == [{"ok": 1}, {"ok": 2}]
+
+
+async def test_a_204_to_a_first_try_is_another_writer_with_auto_claim_and_a_replay_without(
+    server: ServerProcess,
+) -> None:
+    """Another instance wrote seqs 0..2 at epoch 0. An auto-claiming producer starting at epoch 0
+    is answered 204 on the FIRST try of seq 0: no try of its own can have written that, so its
+    items are not in the stream; it claims epoch 1 and writes them (before: three 204s counted
+    written, the items lost). One that starts at an epoch someone else already took is moved past
+    it the same way. Without auto_claim the same 204 is a restarted producer's replay of what it
+    wrote before (upstream's client-deduplication-works): counted written, nothing added."""
+    path = await create(server)
+    for seq, item in enumerate((b"a0", b"a1", b"a2")):
+        assert await raw_append(server, path, item, "p", 0, seq) == 200
+    async with Client(server.url) as client:
+        stream = client.stream(path, content_type="text/plain")
+        async with producer(stream, auto_claim=True, linger=0) as p:
+            receipts = [p.append(b"b0"), p.append(b"b1")]
+            await p.flush()
+            receipts.append(p.append(b"b2"))
+            results = [await r for r in receipts]
+        assert p.epoch == 1 and [r.duplicate for r in results] == [False] * 3
+        assert await raw_append(server, path, b"c0", "p", 2, 0) == 200  # another instance takes epoch 2
+        async with producer(stream, epoch=2, auto_claim=True) as p:
+            assert not (await p.append(b"d0")).duplicate
+        assert p.epoch == 3
+        # A restart without auto_claim re-sending what epoch 3 wrote: the server's dedup answers.
+        async with producer(stream, epoch=3) as p:
+            assert (await p.append(b"d0")).duplicate
+    assert await read_all(server, path) == (b"a0a1a2b0b1b2c0d0", False)
+
+
+async def test_client_deduplication_works_for_a_restarted_json_producer(server: ServerProcess) -> None:
+    """Upstream's client-deduplication-works: a new instance at the same epoch re-sending the same
+    items is deduplicated by the server and every append succeeds."""
+    path = await create(server, "application/json")
+    async with Client(server.url) as client:
+        stream = client.stream(path, content_type="application/json")
+        for expect_duplicate in (False, True):
+            async with producer(stream, "dedup-test-producer", linger=0.05) as p:
+                receipts = [p.append('{"msg": "first"}'), p.append('{"msg": "second"}')]
+                await p.flush()
+                assert [(await r).duplicate for r in receipts] == [expect_duplicate] * 2
+    assert await read_json(server, path) == [{"msg": "first"}, {"msg": "second"}]

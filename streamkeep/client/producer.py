@@ -34,9 +34,16 @@ Why it works the way it does:
   Retries spent on lost answers (`ConnectionFailed`, `Unavailable`) leave the outcome unknown: the
   batch may be in the stream. Unless a later seq of the epoch was written, which proves it is, and
   then it is reported written.
-- A 204 to the first try of a seq is a duplicate too, and counts as success, but it means another
-  instance with the same producer id and epoch used that seq first: this batch's bytes are not in
-  the stream. A restarted producer must take a higher epoch (or `auto_claim`) to avoid it.
+- A 204 to a seq none of whose tries can have been written (the first try, or only tries refused
+  before writing: 429, 409) means the (id, epoch, seq) was used before this instance sent it.
+  With `auto_claim` that is another writer holding the epoch (a stateless restart at the same
+  epoch, or a claim race where someone took the epoch just claimed): this batch's bytes are not in
+  the stream, so the producer claims the next epoch and sends it again (checked again at the new
+  epoch). Without `auto_claim` it is a restarted producer replaying what it wrote before with the
+  same epoch and seqs (exactly-once across a crash, which the caller's restart scheme relies on):
+  it counts as written, `duplicate=True`. A producer without `auto_claim` that does not replay the
+  same items must take a higher epoch than any earlier instance, or its items are dropped as
+  duplicates.
 - 429, 500, 502, 503, 504 and broken or refused connections are retried, after the server's
   `Retry-After` when it gives one, else with jittered exponential backoff (the client's
   `RetryPolicy` unless `retry=` is given).
@@ -100,6 +107,7 @@ class _Batch:
         "epoch",
         "error",
         "items",
+        "maybe_written",
         "receipt",
         "result",
         "seq",
@@ -118,6 +126,9 @@ class _Batch:
         # Its request went out after every earlier batch was known written: a 409 gap is then
         # the server's present state, not an answer that overtook an earlier batch's success.
         self.after_written = False
+        # A try at the current (epoch, seq) may have been written although no answer said so (a
+        # lost answer, a 5xx): a 204 is then our own try. Without it, a 204 names another writer.
+        self.maybe_written = False
         self.result: AppendResult | None = None
         self.error: StreamError | None = None
         self.done = anyio.Event()
@@ -130,7 +141,8 @@ class Receipt:
 
     `next_offset` is the tail the server answered: right after the batch when it was written by
     this request, at or after it when `duplicate` (an earlier try was written and its answer lost;
-    or another producer instance with the same id and epoch had already used the seq)."""
+    or, without `auto_claim`, an earlier instance with the same id and epoch had already used the
+    seq: a replay)."""
 
     __slots__ = ("_batch",)
 
@@ -521,6 +533,9 @@ class IdempotentProducer:
                     retry=_NO_RETRY,
                 )
             except StreamError as error:
+                # 429 and a 409 gap are refusals before writing; anything else retried may not be.
+                if error.status != 429 and _retryable(error):
+                    batch.maybe_written = True
                 if not _retryable(error) or attempt >= self.retry.attempts:
                     return error
                 retry_after = error.retry_after if isinstance(error, Unavailable) else None
@@ -534,6 +549,12 @@ class IdempotentProducer:
         """What an answer means for its batch, the batches after it, and the producer."""
         if isinstance(outcome, httpx.Response):
             result = AppendResult.from_response(outcome, producer=True)
+            if result.duplicate and batch.body and not batch.maybe_written and self.auto_claim:
+                # No try of ours can have written this (epoch, seq): another instance holds the
+                # epoch (an auto-claiming restart at the same epoch, or a claim race), and this
+                # batch is not in the stream. Counting it written would lose it: claim past it.
+                self._foreign_duplicate(batch)
+                return
             if not batch.body:  # a close-only request is answered 204 when it did close
                 result = dataclasses.replace(result, duplicate=False)
             self._written(batch, result)
@@ -578,6 +599,24 @@ class IdempotentProducer:
             return
         self._fail(batch, error)
 
+    def _foreign_duplicate(self, batch: _Batch) -> None:
+        current = batch.epoch == self._epoch
+        self._requeue(batch)
+        # Never proven written by a later seq of that epoch: the other writer's seqs prove nothing.
+        batch.epoch = -1
+        if not current:
+            return  # this producer has already moved past that epoch
+        if self._claims >= MAX_CLAIMS:
+            self._fail(
+                batch,
+                StaleEpoch(
+                    f"producer {self.producer_id!r}: epoch {self._epoch} is used by another writer",
+                    status=403,
+                ),
+            )
+            return
+        self._claim(None)
+
     def _written(self, batch: _Batch, result: AppendResult) -> None:
         if batch.epoch == self._epoch:
             self._epoch_confirmed = True
@@ -596,6 +635,7 @@ class IdempotentProducer:
     def _requeue(self, batch: _Batch) -> None:
         batch.state = _READY
         batch.seq = None
+        batch.maybe_written = False
 
     def _claim(self, server_epoch: int | None) -> None:
         """Auto-claim: the next epoch, from seq 0; every unanswered batch goes again in it."""
