@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from ops.serverproc import ServerProcess
-from streamkeep.client import SequenceConflict, StaleEpoch, StreamClosed
+from streamkeep.client import SequenceConflict, StaleEpoch, StreamClosed, StreamError
 from streamkeep.client.client import Client
 from streamkeep.client.http import RetryPolicy
 from streamkeep.client.producer import IdempotentProducer, ProducerClosed, Receipt
@@ -266,6 +266,7 @@ async def with_proxy(server: ServerProcess, body: Callable[[FaultProxy], Awaitab
 
 def producer(stream: Stream, name: str = "p", **options: Any) -> IdempotentProducer:
     options.setdefault("retry", FAST_RETRY)
+    options.setdefault("retry_for", 0)  # the tests that spend retries spend FAST_RETRY's attempts
     return IdempotentProducer(stream, name, **options)
 
 
@@ -796,3 +797,39 @@ async def test_client_deduplication_works_for_a_restarted_json_producer(server: 
                 await p.flush()
                 assert [(await r).duplicate for r in receipts] == [expect_duplicate] * 2
     assert await read_json(server, path) == [{"msg": "first"}, {"msg": "second"}]
+
+
+async def test_sends_are_retried_for_retry_for_seconds_beyond_the_attempts(server: ServerProcess) -> None:
+    """The server is unavailable (503, connections refused in a restart look the same) for
+    0.8 s, longer than the policy's 2 attempts last: with `retry_for` the batch keeps going and is
+    written once; with a budget shorter than the outage it fails after both are spent. Before,
+    the attempts alone decided and the producer stopped for good after about 50 ms."""
+    path = await create(server)
+    policy = RetryPolicy(attempts=2, base_delay=0.02, max_delay=0.05)
+
+    async def body(proxy: FaultProxy) -> None:
+        until = anyio.current_time() + 0.8
+
+        def answer(request: Request) -> bytes | None:
+            if request.method == "POST" and anyio.current_time() < until:
+                return canned(503, "Service Unavailable")
+            return None
+
+        proxy.answer = answer
+        async with Client(proxy.url) as client:
+            stream = client.stream(path, content_type="text/plain")
+            async with producer(stream, retry=policy, retry_for=5.0) as p:
+                assert (await p.append(b"x")).status == 200
+            assert anyio.current_time() >= until
+            until = anyio.current_time() + 2.0
+            async with producer(stream, "q", retry=policy, retry_for=0.3) as p:
+                started = anyio.current_time()
+                with pytest.raises(StreamError) as caught:
+                    await p.append(b"y")
+                assert caught.value.status == 503 and 0.3 <= anyio.current_time() - started < 1.5
+                with pytest.raises(StreamError):
+                    await p.close()
+
+    proxy = await with_proxy(server, body)
+    assert len(proxy.posts()) > 3
+    assert await read_all(server, path) == (b"x", False)

@@ -46,7 +46,9 @@ Why it works the way it does:
   duplicates.
 - 429, 500, 502, 503, 504 and broken or refused connections are retried, after the server's
   `Retry-After` when it gives one, else with jittered exponential backoff (the client's
-  `RetryPolicy` unless `retry=` is given).
+  `RetryPolicy` unless `retry=` is given), for `retry_for` seconds (default 60) from a batch's
+  first try and at least `retry.attempts` times: a failure stops the producer for good, so it
+  must outlast a server restart or a failover, not just a blip.
 
 Runs under trio and asyncio (anyio only). It needs `async with` (or `__aenter__`/`__aexit__`): the
 background sender lives in a task group for the lifetime of that block.
@@ -77,6 +79,9 @@ RETRY_STATUSES = frozenset((429, 500, 502, 503, 504))
 # would otherwise fence each other forever.
 MAX_CLAIMS = 5
 _NO_RETRY = RetryPolicy(attempts=0)
+# RetryPolicy.wait doubles per attempt: past this the delay is max_delay anyway, and a time budget
+# can run to thousands of attempts (2**1024 overflows a float).
+_MAX_BACKOFF_EXPONENT = 32
 
 # A batch's states. READY: sealed, waiting to be sent (no seq yet in the current epoch).
 # SENDING: a request (or its retries) is out. BLOCKED: answered 409 because an earlier seq had not
@@ -190,6 +195,9 @@ class IdempotentProducer:
     `max_in_flight`: batches sent without waiting for the answer to the earlier ones.
     `start_seq`: the first seq, for a producer that resumes an epoch whose last seq it persisted.
     `content_type`: the stream's, asked with HEAD at start when neither given nor known.
+    `retry`: the backoff between tries of a batch (the client's policy by default). `retry_for`:
+    seconds a batch's send is retried (429, 5xx, broken connections) from its first try before it
+    fails, and with it the producer; it fails only once `retry.attempts` are spent too.
 
     JSON streams: every append is exactly one message, a batch is a JSON array of them (the
     server flattens one level, §9.1.2). Bytes and text are taken as one already-encoded JSON value
@@ -212,11 +220,14 @@ class IdempotentProducer:
         start_seq: int = 0,
         content_type: str | None = None,
         retry: RetryPolicy | None = None,
+        retry_for: float = 60.0,
     ) -> None:
         if not producer_id:
             raise ValueError("producer_id must not be empty")
         if epoch < 0 or start_seq < 0:
             raise ValueError("epoch and start_seq must be >= 0")
+        if retry_for < 0:
+            raise ValueError("retry_for must be >= 0")
         if linger < 0 or max_batch_bytes <= 0 or max_in_flight <= 0:
             raise ValueError("linger must be >= 0, max_batch_bytes and max_in_flight > 0")
         self.stream = stream
@@ -226,6 +237,7 @@ class IdempotentProducer:
         self.max_batch_bytes = max_batch_bytes
         self.max_in_flight = max_in_flight
         self.retry = retry or stream.transport.retry
+        self.retry_for = retry_for
         self._content_type = content_type or stream.content_type
         self._json = False
         self._epoch = epoch
@@ -521,6 +533,7 @@ class IdempotentProducer:
             headers["Stream-Closed"] = "true"
         stream = self.stream
         attempt = 0
+        give_up_at = anyio.current_time() + self.retry_for
         while True:
             try:
                 return await stream.transport.request(
@@ -536,10 +549,15 @@ class IdempotentProducer:
                 # 429 and a 409 gap are refusals before writing; anything else retried may not be.
                 if error.status != 429 and _retryable(error):
                     batch.maybe_written = True
-                if not _retryable(error) or attempt >= self.retry.attempts:
+                if not _retryable(error):
+                    return error
+                # Both budgets must be spent: the attempt count alone (5 tries, 50 ms apart at
+                # first) is over in about a second, and a server restart or failover that takes
+                # longer would stop the producer for good, every later batch with it.
+                if attempt >= self.retry.attempts and anyio.current_time() >= give_up_at:
                     return error
                 retry_after = error.retry_after if isinstance(error, Unavailable) else None
-                wait = self.retry.wait(attempt, retry_after)
+                wait = self.retry.wait(min(attempt, _MAX_BACKOFF_EXPONENT), retry_after)
             attempt += 1
             await anyio.sleep(wait)
             if batch.epoch != self._epoch:
