@@ -28,7 +28,7 @@ from ops.serverproc import ServerProcess
 from streamkeep.client import SequenceConflict, StaleEpoch, StreamClosed, StreamError
 from streamkeep.client.client import Client
 from streamkeep.client.http import RetryPolicy
-from streamkeep.client.producer import IdempotentProducer, ProducerClosed, Receipt
+from streamkeep.client.producer import IdempotentProducer, ProducerClosed, ProducerFull, Receipt
 from streamkeep.client.stream import Stream
 
 _names = itertools.count()
@@ -833,3 +833,33 @@ async def test_sends_are_retried_for_retry_for_seconds_beyond_the_attempts(serve
     proxy = await with_proxy(server, body)
     assert len(proxy.posts()) > 3
     assert await read_all(server, path) == (b"x", False)
+
+
+async def test_unwritten_appends_are_bounded_by_max_buffered_bytes(server: ServerProcess) -> None:
+    """A producer faster than its server held every unwritten append in memory (the review's
+    340 MiB): past `max_buffered_bytes` `append` raises `ProducerFull` and `send` waits until a
+    batch is written, and a written batch's bytes are not kept alive by its receipt."""
+    path = await create(server)
+    async with Client(server.url) as client:
+        stream = client.stream(path, content_type="text/plain")
+        async with producer(stream, linger=10, max_buffered_bytes=10) as p:
+            first = p.append(b"aaaaaa")
+            with pytest.raises(ProducerFull):
+                p.append(b"bbbbbb")
+            sent: list[Receipt] = []
+
+            async def send_later() -> None:
+                sent.append(await p.send(b"bbbbbb"))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(send_later)
+                await anyio.sleep(0.1)
+                assert not sent  # waiting for room: the first batch lingers, unwritten
+                await p.flush()
+            assert (await first).status == 200 and first._batch.body == b""
+            await p.flush()
+            assert (await sent[0]).status == 200
+            big = p.append(b"c" * 20)  # larger than the bound, taken when nothing else is held
+            await p.flush()
+            assert (await big).status == 200
+    assert await read_all(server, path) == (b"aaaaaabbbbbb" + b"c" * 20, False)

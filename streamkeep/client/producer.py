@@ -94,6 +94,11 @@ class ProducerClosed(StreamError):
     (the block around it was left by an exception): that batch may or may not be written."""
 
 
+class ProducerFull(StreamError):
+    """`append` would hold more than `max_buffered_bytes` of unwritten appends: the server (or the
+    network) is slower than the appends. `await producer.send(data)` waits for room instead."""
+
+
 class _Superseded:
     """The outcome of a batch whose epoch was left (auto-claim) while it waited to be retried."""
 
@@ -193,6 +198,8 @@ class IdempotentProducer:
     no state). `linger`: seconds an append may wait for others to share its batch.
     `max_batch_bytes`: a batch is sent once this full (a single larger append goes alone).
     `max_in_flight`: batches sent without waiting for the answer to the earlier ones.
+    `max_buffered_bytes`: unwritten appends held at most (default 64 MiB); past it `append`
+    raises `ProducerFull` and `await send(data)` waits for room.
     `start_seq`: the first seq, for a producer that resumes an epoch whose last seq it persisted.
     `content_type`: the stream's, asked with HEAD at start when neither given nor known.
     `retry`: the backoff between tries of a batch (the client's policy by default). `retry_for`:
@@ -221,11 +228,14 @@ class IdempotentProducer:
         content_type: str | None = None,
         retry: RetryPolicy | None = None,
         retry_for: float = 60.0,
+        max_buffered_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         if not producer_id:
             raise ValueError("producer_id must not be empty")
         if epoch < 0 or start_seq < 0:
             raise ValueError("epoch and start_seq must be >= 0")
+        if max_buffered_bytes <= 0:
+            raise ValueError("max_buffered_bytes must be > 0")
         if retry_for < 0:
             raise ValueError("retry_for must be >= 0")
         if linger < 0 or max_batch_bytes <= 0 or max_in_flight <= 0:
@@ -238,6 +248,10 @@ class IdempotentProducer:
         self.max_in_flight = max_in_flight
         self.retry = retry or stream.transport.retry
         self.retry_for = retry_for
+        self.max_buffered_bytes = max_buffered_bytes
+        # Bytes of appends not yet written or failed (open, queued, in flight): bounded, or a
+        # producer faster than its server holds everything in memory until it runs out.
+        self._buffered = 0
         self._content_type = content_type or stream.content_type
         self._json = False
         self._epoch = epoch
@@ -259,6 +273,8 @@ class IdempotentProducer:
         self._task_group: anyio.abc.TaskGroup | None = None
         # Set to make the sender look again (events need a running event loop: made at entry).
         self._wake: anyio.Event
+        # Set (and replaced) whenever buffered bytes are freed: `send` waits on it.
+        self._room: anyio.Event
 
     @property
     def epoch(self) -> int:
@@ -286,6 +302,7 @@ class IdempotentProducer:
         await task_group.__aenter__()
         self._task_group = task_group
         self._wake = anyio.Event()
+        self._room = anyio.Event()
         self._accepting = True
         task_group.start_soon(self._run)
         return self
@@ -319,9 +336,11 @@ class IdempotentProducer:
     def append(self, data: Any) -> Receipt:
         """Queues `data` and returns its receipt at once (see the class for how data is encoded).
 
-        Raises the producer's failure if one stopped it, `ProducerClosed` after `close`, and
-        `ValueError`/`TypeError` for data the stream cannot take (invalid JSON text, a value
-        `json.dumps` refuses, a non-bytes value for a non-JSON stream)."""
+        Raises the producer's failure if one stopped it, `ProducerClosed` after `close`,
+        `ProducerFull` when it would hold more than `max_buffered_bytes` unwritten (one append
+        larger than that is taken when nothing else is held), and `ValueError`/`TypeError` for
+        data the stream cannot take (invalid JSON text, a value `json.dumps` refuses, a
+        non-bytes value for a non-JSON stream)."""
         if self._failure is not None:
             raise self._failure
         if not self._accepting:
@@ -330,6 +349,11 @@ class IdempotentProducer:
             )
         item = self._encode(data)
         extra = len(item) + 1 if self._json else len(item)  # a JSON batch adds a comma per item
+        if self._buffered and self._buffered + extra > self.max_buffered_bytes:
+            raise ProducerFull(
+                f"{self._buffered} bytes of appends are unwritten (max_buffered_bytes="
+                f"{self.max_buffered_bytes}): `await send(...)` waits for room"
+            )
         batch = self._open
         if batch is None:
             batch = self._start_batch()
@@ -338,9 +362,21 @@ class IdempotentProducer:
             batch = self._start_batch()
         batch.items.append(item)
         batch.size += extra
+        self._buffered += extra
         if batch.size >= self.max_batch_bytes:
             self._seal()
         return batch.receipt
+
+    async def send(self, data: Any) -> Receipt:
+        """`append` that waits while the producer holds `max_buffered_bytes` unwritten, instead
+        of raising `ProducerFull`: backpressure for a producer that may outrun its server.
+        Returns the receipt once the data is queued (await it for the outcome)."""
+        while True:
+            room = self._room
+            try:
+                return self.append(data)
+            except ProducerFull:
+                await room.wait()
 
     def _encode(self, data: Any) -> bytes:
         if self._json:
@@ -370,6 +406,7 @@ class IdempotentProducer:
 
     def _start_batch(self) -> _Batch:
         batch = _Batch(1 if self._json else 0)  # "[" (the "]" is paid for by the last comma)
+        self._buffered += batch.size
         self._open = batch
         self._open_since = anyio.current_time()
         self._wake.set()  # the sender starts the linger clock
@@ -686,6 +723,12 @@ class IdempotentProducer:
     def _finish(
         self, batch: _Batch, *, result: AppendResult | None = None, error: StreamError | None = None
     ) -> None:
+        if batch.state not in (_DONE, _FAILED):
+            self._buffered -= batch.size
+            self._room.set()
+            self._room = anyio.Event()
+        # The receipt keeps the batch alive as long as the caller keeps it: not its bytes.
+        batch.body = b""
         batch.result = result
         batch.error = error
         batch.state = _DONE if error is None else _FAILED
@@ -694,4 +737,4 @@ class IdempotentProducer:
         batch.done.set()
 
 
-__all__ = ["IdempotentProducer", "ProducerClosed", "Receipt"]
+__all__ = ["IdempotentProducer", "ProducerClosed", "ProducerFull", "Receipt"]
