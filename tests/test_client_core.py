@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import pytest
@@ -37,6 +41,7 @@ from streamkeep.client.stream import encode_body, stream_path
 from streamkeep.client.sync import Client as SyncClient
 
 _names = itertools.count()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def fresh(prefix: str = "client") -> str:
@@ -224,6 +229,17 @@ async def test_stream_producer_builds_an_idempotent_producer(client: Client) -> 
     assert [m async for m in stream.messages()] == [{"made": True}]
 
 
+@pytest.mark.parametrize("name", ["a/../../admin", "..", ".", "a/./b", "a//b", "", "a/"])
+def test_stream_names_that_would_leave_the_stream_prefix_are_refused(name: str) -> None:
+    with pytest.raises(ValueError):
+        stream_path(name)
+
+
+def test_backoff_does_not_overflow_after_many_attempts() -> None:
+    policy = RetryPolicy(base_delay=0.05, max_delay=5.0)
+    assert 0.0 <= policy.wait(5000) <= 5.0
+
+
 def test_stream_path_encodes_names_and_keeps_paths() -> None:
     assert stream_path("chat/room 1") == "/v1/stream/chat/room%201"
     assert stream_path("/other/x") == "/other/x"
@@ -252,6 +268,8 @@ def test_error_mapping_reads_the_protocol_headers() -> None:
 
 def test_retry_after_as_an_http_date() -> None:
     assert retry_after_seconds("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
+    # asctime (RFC 9110's third date form) has no zone: HTTP dates are UTC.
+    assert retry_after_seconds("Wed Oct 21 07:28:10 2015", now=1445412480.0) == 10.0
     assert retry_after_seconds("soon") is None
     assert retry_after_seconds(None) is None
 
@@ -267,7 +285,10 @@ def _refusing(statuses: list[tuple[int, dict[str, str]]]) -> tuple[list[float], 
         times.append(time.monotonic())
         if len(times) <= len(statuses):
             status, headers = statuses[len(times) - 1]
-            return httpx.Response(status, headers=headers, json={"error": {"code": "busy", "message": "m"}})
+            # not_ready: a refusal before any work, which even a plain append may repeat.
+            return httpx.Response(
+                status, headers=headers, json={"error": {"code": "not_ready", "message": "m"}}
+            )
         return httpx.Response(204, headers={"Stream-Next-Offset": "0_1"})
 
     return times, httpx.MockTransport(handler)
@@ -380,6 +401,101 @@ async def test_token_and_dynamic_headers_are_sent_on_each_request() -> None:
     assert [h["x-request"] for h in seen] == ["0", "1"]
 
 
+def _counting(status: int, code: str) -> tuple[list[str], httpx.MockTransport]:
+    """A transport refusing every request with `status` and the server error `code`."""
+    calls: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        return httpx.Response(
+            status, headers={"Retry-After": "0"}, json={"error": {"code": code, "message": "m"}}
+        )
+
+    return calls, httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("code", ["owner_unavailable", "storage_unavailable", "member_unavailable", ""])
+async def test_a_plain_append_is_not_repeated_after_a_503_that_may_have_done_it(code: str) -> None:
+    # owner_unavailable: the forwarding member answers it on any error of its hop to the owner,
+    # also after the owner appended; repeating it would append twice.
+    calls, mock = _counting(503, code)
+    async with Client("http://mock", transport=mock, retries=3) as client:
+        with pytest.raises(Unavailable):
+            await client.stream("s", content_type="text/plain").append("x")
+    assert calls == ["POST"]
+
+
+@pytest.mark.parametrize(
+    "code", ["not_ready", "shutting_down", "recovering", "stale_placement", "server_busy"]
+)
+async def test_a_plain_append_is_repeated_after_a_503_refused_before_any_work(code: str) -> None:
+    calls, mock = _counting(503, code)
+    async with Client("http://mock", transport=mock, retries=2) as client:
+        with pytest.raises(Unavailable):
+            await client.stream("s", content_type="text/plain").append("x")
+    assert calls == ["POST"] * 3
+
+
+async def test_a_redirect_is_not_a_success() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            301, headers={"Location": "https://elsewhere/", "Content-Type": "text/html"}, text="moved"
+        )
+
+    async with Client("http://mock", transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(StreamError) as caught:
+            await client.stream("s", content_type="text/plain").append("x")
+    assert caught.value.status == 301
+
+
+async def test_credentials_go_only_to_the_base_urls_origin() -> None:
+    seen: list[tuple[str, str | None, str | None]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, request.headers.get("authorization"), request.headers.get("x-tenant")))
+        return httpx.Response(200, headers={"Content-Type": "text/plain", "Stream-Next-Offset": "0_0"})
+
+    mock = httpx.MockTransport(handler)
+    async with Client(
+        "https://streams.example", token="SECRET", headers={"X-Tenant": "t"}, transport=mock
+    ) as client:
+        await client.stream("https://streams.example/v1/stream/x?sig=1").head()
+        await client.stream("https://attacker.example/v1/stream/x?sig=1").head()
+        await client.stream("http://streams.example/v1/stream/x").head()  # another scheme: another origin
+    assert seen == [
+        ("streams.example", "Bearer SECRET", "t"),
+        ("attacker.example", None, None),
+        ("streams.example", None, None),
+    ]
+
+
+async def test_a_delete_whose_answer_was_lost_succeeds_when_repeated(server: ServerProcess) -> None:
+    class LoseFirstDeleteAnswer(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self.inner = httpx.AsyncHTTPTransport()
+            self.lost = False
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            response = await self.inner.handle_async_request(request)
+            if request.method == "DELETE" and not self.lost:
+                self.lost = True
+                await response.aread()
+                raise httpx.ReadError("reset after the server answered", request=request)
+            return response
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    transport = LoseFirstDeleteAnswer()
+    async with Client(server.url, transport=transport) as client:
+        stream = client.stream(fresh())
+        await stream.create(content_type="text/plain")
+        await stream.delete()
+        assert transport.lost and not await stream.exists()
+        with pytest.raises(StreamNotFound):
+            await stream.delete()  # no attempt was lost: a 404 is a 404
+
+
 # -- asyncio, and the blocking facade ---------------------------------------------------------
 
 
@@ -421,3 +537,41 @@ def test_the_blocking_facade(server: ServerProcess, backend: str) -> None:
             assert receipts[-1].wait().next_offset is not None
             producer.append({"n": 5})
         assert list(produced.messages()) == [{"n": n} for n in range(6)]  # close delivered the last
+
+
+def test_closing_the_blocking_client_closes_its_producers_and_may_be_repeated(server: ServerProcess) -> None:
+    client = SyncClient(server.url)
+    stream = client.stream(fresh())
+    stream.create(content_type="text/plain")
+    producer = stream.producer("left-open", linger=0.01)
+    producer.append("x").wait()
+    producer.append("y")  # queued: close() must deliver it, not wait forever on the producer's task
+    finished = threading.Event()
+    closer = threading.Thread(target=lambda: (client.close(), finished.set()), daemon=True)
+    closer.start()
+    assert finished.wait(10), "close() hung on a producer left open"
+    client.close()  # a second close is a no-op
+    producer.close()
+    with SyncClient(server.url) as check:
+        assert check.stream(stream.stream.path).read_all()[0].data == b"xy"
+
+
+def test_a_script_that_never_closes_the_blocking_client_exits(server: ServerProcess) -> None:
+    script = (
+        "import sys\n"
+        "from streamkeep.client.sync import Client\n"
+        "c = Client(sys.argv[1])\n"
+        "s = c.stream(sys.argv[2]); s.create(content_type='text/plain')\n"
+        "p = s.producer('p', linger=0.01); p.append('queued at exit')\n"
+    )
+    name = fresh()
+    done = subprocess.run(
+        [sys.executable, "-c", script, server.url, name],
+        timeout=30,
+        capture_output=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    with SyncClient(server.url) as check:  # the exit hook closed the producer: its append landed
+        assert check.stream(name).read_all()[0].data == b"queued at exit"

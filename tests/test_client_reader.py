@@ -94,6 +94,58 @@ async def test_live_from_now_sees_only_what_comes_after(client: Client, live: Li
     assert got == [{"new": True}]
 
 
+@pytest.mark.parametrize("live", ["long-poll", "sse"])
+async def test_now_is_fixed_before_a_first_live_read_that_breaks(
+    server: ServerProcess, live: LiveMode
+) -> None:
+    """An append lands while the first live request waits, then its connection breaks: the
+    repeated request must start where the reader started, not at a later "now"."""
+    name = fresh()
+
+    class BreakFirstLiveRead(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self.inner = httpx.AsyncHTTPTransport()
+            self.broke = False
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if not self.broke and request.url.params.get("live") is not None:
+                self.broke = True
+                async with httpx.AsyncClient() as side:
+                    await side.post(
+                        f"{server.url}/v1/stream/{name}",
+                        content=b"meanwhile",
+                        headers={"content-type": "text/plain"},
+                    )
+                raise httpx.ReadError("connection reset", request=request)
+            return await self.inner.handle_async_request(request)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    transport = BreakFirstLiveRead()
+    async with Client(server.url, transport=transport) as client:
+        stream = client.stream(name)
+        await stream.create(content_type="text/plain")
+        await stream.append(b"before")
+        assert await collect(stream, until=1, live=live, offset="now") == [b"meanwhile"]
+    assert transport.broke
+
+
+async def test_a_read_answer_without_a_next_offset_is_a_protocol_error() -> None:
+    asked: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.params["offset"])
+        if len(asked) > 3:  # a reader that asks again and again is stopped here, and fails below
+            return httpx.Response(400, json={"error": {"code": "stop", "message": "asked again"}})
+        return httpx.Response(200, headers={"Content-Type": "text/plain"}, content=b"page")
+
+    async with Client("http://mock", transport=httpx.MockTransport(handler)) as client:
+        with trio.fail_after(5), pytest.raises(ProtocolError):
+            await client.stream("s", content_type="text/plain").read_all()
+    assert asked == ["-1"]  # raised at once, not asked again and again
+
+
 @pytest.mark.parametrize("live", ["long-poll", "sse", "auto"])
 async def test_live_reader_resumes_from_a_middle_offset_and_ends_at_close(
     client: Client, live: LiveMode

@@ -7,6 +7,7 @@ HTTP answer becomes an exception, so the reader, the stream handle and the produ
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import json
 import time
@@ -137,7 +138,8 @@ def retry_after_seconds(value: str | None, *, now: float | None = None) -> float
     except (TypeError, ValueError):
         return None
     if when.tzinfo is None:
-        return None
+        # asctime dates (and `-0000`) carry no zone; RFC 9110 §5.6.7 says HTTP dates are UTC.
+        when = when.replace(tzinfo=datetime.UTC)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 

@@ -2,21 +2,43 @@
 
 Everything the client sends goes through `HttpTransport.request` (whole answers) or
 `HttpTransport.stream` (SSE), so auth, per-request headers, error mapping and the retry rules live
-in one place. The retry rules, and why:
+in one place. Only a 2xx answer is a success: a 3xx (redirects are not followed: a stream's URL
+does not move, and following one would resend the body elsewhere) is raised as an error, so an
+append never counts a redirect page as written.
 
-- 429 and 503 are refusals: the server did not do the request, so any method may repeat it, after
-  `Retry-After` when the server gives one. The exception is a 503 whose code is `not_durable`
-  (streamkeep: "it was done, but could not be made durable"): a non-idempotent request is not
-  repeated then, since it happened.
+The retry rules, and why:
+
+- 429 is a refusal before any work (streamkeep's auth gate answers it, code `quota`, before the
+  request reaches a stream; proxies' rate limits likewise): any method may repeat it, after
+  `Retry-After` when the server gives one.
+- 503 is repeated for idempotent requests whatever its cause. A non-idempotent request (a POST
+  without `Producer-Id`: a plain append) is repeated only when the 503's code says the server
+  refused it before doing anything, an allowlist read off the server's code
+  (streamkeep/protocol, streamkeep/server, streamkeep/actors, streamkeep/storage, streamkeep/cluster):
+  `not_ready` (server/service.py: the server is still starting, nothing is served),
+  `shutting_down` (actors/actor.py: the stream's actor refuses new work while stopping),
+  `recovering` (storage/disk/storage.py: the stream is not read back from disk yet),
+  `stale_placement` (server/forwarding.py: members disagree about the owner, nothing forwarded),
+  `server_busy` (http/budget.py: the body was refused before it was read),
+  `read_only` and `cold_backlog` (storage/disk/log.py: appends refused before writing).
+  Everything else is not repeated: `owner_unavailable` (cluster/forward.py) is answered on ANY
+  httpx error of the forwarding hop, including a read timeout after the owner applied the append,
+  so repeating it can append twice; `not_durable` means it WAS done; `storage_unavailable` and
+  `member_unavailable` come from a write or a call that failed part way; a 503 with no code (a
+  proxy's page) says nothing about what happened. At most once for plain appends; exactly once is
+  the idempotent producer's job (its POSTs carry `Producer-Id` and are deduplicated).
 - 500, 502 and 504 are repeated for idempotent requests only: a gateway's 502 during a failover
-  is worth waiting out, but a plain append answered 500 may have been appended (at most once;
-  an idempotent producer's appends, which carry `Producer-Id`, are idempotent and repeated).
+  is worth waiting out, but a plain append answered 500 may have been appended.
 - A connection that could not be opened (connect error or timeout, no free connection) sent
   nothing, so any method may repeat it.
 - A connection that broke after the request went out may or may not have done it: only idempotent
   requests are repeated (GET, HEAD, PUT, DELETE, and a POST carrying `Producer-Id`, which the
-  server deduplicates).
-"""
+  server deduplicates). A DELETE repeated after an attempt that may have been done and answered
+  404 is a success: the first attempt deleted the stream.
+
+The bearer token and the configured headers go only to the base URL's origin (scheme, host,
+port): a full URL (a signed link from elsewhere) naming another host gets neither, so a link
+cannot make the client hand its credentials to a third party."""
 
 from __future__ import annotations
 
@@ -45,6 +67,21 @@ RETRYABLE_STATUSES = frozenset((429, 503))
 # Server and gateway failures (a proxy's 502 or 504 during a failover): repeated only for
 # idempotent requests, since a 500 may come after the change was made.
 IDEMPOTENT_RETRYABLE_STATUSES = frozenset((500, 502, 504))
+# 503 codes that mean "refused before doing anything" (see the module docstring for where each
+# comes from): the only 503s a non-idempotent request is repeated after.
+REFUSED_BEFORE_WORK_CODES = frozenset(
+    (
+        "not_ready",
+        "shutting_down",
+        "recovering",
+        "stale_placement",
+        "server_busy",
+        "read_only",
+        "cold_backlog",
+    )
+)
+# 2**30 * base_delay is past any max_delay; a larger exponent only risks float overflow.
+_MAX_BACKOFF_EXPONENT = 30
 # Failures where the request never left: safe to repeat whatever the method.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -66,7 +103,9 @@ class RetryPolicy:
         """The pause before retry number `attempt` (0 for the first retry)."""
         if retry_after is not None:
             return min(retry_after, self.max_retry_after) + random.uniform(0, self.base_delay)
-        return random.uniform(0, min(self.max_delay, self.base_delay * (2**attempt)))
+        return random.uniform(
+            0, min(self.max_delay, self.base_delay * (2 ** min(attempt, _MAX_BACKOFF_EXPONENT)))
+        )
 
 
 def is_idempotent(method: str, headers: HeaderMap) -> bool:
@@ -79,9 +118,22 @@ def is_idempotent(method: str, headers: HeaderMap) -> bool:
 def _may_retry_status(error: StreamError, idempotent: bool) -> bool:
     if error.status in IDEMPOTENT_RETRYABLE_STATUSES:
         return idempotent
-    if error.status not in RETRYABLE_STATUSES:
+    if error.status == 429:
+        return True
+    if error.status != 503:
         return False
-    return idempotent or error.code != "not_durable"
+    return idempotent or error.code in REFUSED_BEFORE_WORK_CODES
+
+
+def _may_have_been_done(error: StreamError) -> bool:
+    """Whether a refused attempt that is being repeated may have done the request anyway."""
+    if error.status == 429:
+        return False
+    return error.status != 503 or error.code not in REFUSED_BEFORE_WORK_CODES
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    return (url.scheme, url.host, url.port)
 
 
 def _may_retry_exception(error: httpx.TransportError, idempotent: bool) -> bool:
@@ -136,14 +188,22 @@ class HttpTransport:
             return path
         return f"{self.base_url}/{path.lstrip('/')}"
 
-    async def headers_for(self, extra: HeaderMap | None = None) -> dict[str, str]:
+    def is_own_origin(self, url: str) -> bool:
+        """Whether `url` names the base URL's scheme, host and port (the server the token is for)."""
+        return _origin(httpx.URL(url)) == _origin(httpx.URL(self.base_url))
+
+    async def headers_for(
+        self, extra: HeaderMap | None = None, *, target: str | None = None
+    ) -> dict[str, str]:
         """The headers of one request: auth, the configured ones (called now when a function),
-        then `extra`."""
+        then `extra`. With `target` naming another origin than the base URL's, auth and the
+        configured headers are left out: they are this server's credentials."""
         out: dict[str, str] = {}
-        if self.token is not None:
+        own = target is None or self.is_own_origin(target)
+        if self.token is not None and own:
             out["Authorization"] = f"Bearer {self.token}"
         source = self.extra_headers
-        if source is not None:
+        if source is not None and own:
             resolved = source() if callable(source) else source
             if inspect.isawaitable(resolved):
                 resolved = await resolved
@@ -167,7 +227,7 @@ class HttpTransport:
         timeouts: httpx.Timeout | float | None = None,
         retry: RetryPolicy | None = None,
     ) -> httpx.Response:
-        """Sends a request and returns its answer, body read, when its status is below 400.
+        """Sends a request and returns its answer, body read, when its status is 2xx.
 
         A refusal raises the typed error of `errors.py` once the retries are spent (429/503 as
         `Unavailable`); a transport failure raises `ConnectionFailed`. `idempotent` overrides the
@@ -175,8 +235,10 @@ class HttpTransport:
         policy = retry or self.retry
         target = self.url_for(url)
         attempt = 0
+        # Whether an attempt already repeated may have been done (its answer lost or a failure).
+        maybe_done = False
         while True:
-            sent = await self.headers_for(headers)
+            sent = await self.headers_for(headers, target=target)
             safe = is_idempotent(method, sent) if idempotent is None else idempotent
             try:
                 response = await self._client.request(
@@ -189,16 +251,21 @@ class HttpTransport:
                 )
             except httpx.TransportError as exc:
                 if attempt < policy.attempts and _may_retry_exception(exc, safe):
+                    maybe_done = maybe_done or not isinstance(exc, _NOT_SENT)
                     await anyio.sleep(policy.wait(attempt))
                     attempt += 1
                     continue
                 raise ConnectionFailed(f"{method} failed: {type(exc).__name__}: {exc}", url=target) from exc
-            if response.status_code < 400:
+            if 200 <= response.status_code < 300:
+                return response
+            if response.status_code == 404 and maybe_done and method.upper() == "DELETE":
+                # The attempt whose answer was lost deleted it: the caller's delete succeeded.
                 return response
             error = error_for(
                 response.status_code, response.headers, response.content, method=method, url=target
             )
             if attempt < policy.attempts and _may_retry_status(error, safe):
+                maybe_done = maybe_done or _may_have_been_done(error)
                 retry_after = error.retry_after if isinstance(error, Unavailable) else None
                 await anyio.sleep(policy.wait(attempt, retry_after))
                 attempt += 1
@@ -223,7 +290,7 @@ class HttpTransport:
         target = self.url_for(url)
         attempt = 0
         while True:
-            sent = await self.headers_for(headers)
+            sent = await self.headers_for(headers, target=target)
             request = self._client.build_request(
                 method,
                 target,
@@ -240,7 +307,7 @@ class HttpTransport:
                     continue
                 raise ConnectionFailed(f"{method} failed: {type(exc).__name__}: {exc}", url=target) from exc
             try:
-                if response.status_code >= 400:
+                if not 200 <= response.status_code < 300:
                     try:
                         body = await response.aread()
                     except httpx.TransportError:

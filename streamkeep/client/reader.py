@@ -176,6 +176,8 @@ class Reader:
             if self._phase == "done":
                 await self.aclose()
                 raise StopAsyncIteration
+            if self._offset == "now" and not await self._resolve_now():
+                continue
             if self._phase == "sse":
                 batch = await self._next_sse()
             else:
@@ -264,6 +266,29 @@ class Reader:
         await anyio.sleep(policy.wait(self._failures))
         self._failures += 1
 
+    async def _resolve_now(self) -> bool:
+        """Turns "now" into the tail's concrete offset (HEAD) before the first read: a first
+        long-poll or SSE connection that broke and were repeated with "now" would start at the
+        tail of that later moment and skip what was appended in between. False after a failure
+        (paused; the caller tries again)."""
+        try:
+            head = await self._transport.request(
+                "HEAD", self._url, params=self._params or None, headers=self._headers
+            )
+        except ConnectionFailed as exc:
+            await self._pause_after_failure(exc)
+            return False
+        next_offset = head.headers.get("stream-next-offset")
+        if not next_offset:
+            raise ProtocolError(
+                "HEAD answered without Stream-Next-Offset: offset=now cannot be resolved",
+                url=str(head.url),
+            )
+        if self._content_type is None:
+            self._content_type = head.headers.get("content-type")
+        self._offset = next_offset
+        return True
+
     # -- catch-up and long-poll ------------------------------------------------------------
 
     async def _next_plain(self) -> Batch | None:
@@ -286,6 +311,12 @@ class Reader:
         if content_type and response.status_code == 200:
             self._content_type = content_type
         next_offset = headers.get("stream-next-offset")
+        if not next_offset:
+            # Without it the reader cannot move on: it would ask for the same offset forever.
+            raise ProtocolError(
+                f"a read answered {response.status_code} without Stream-Next-Offset",
+                url=str(response.url),
+            )
         up_to_date = "stream-up-to-date" in headers
         closed = _flag(headers, "stream-closed")
         cursor = headers.get("stream-cursor")

@@ -29,6 +29,11 @@ def stream_path(name_or_path: str, prefix: str = STREAM_PREFIX) -> str:
     a path (`/v1/stream/x`) or a full URL (a signed link) is kept as it is."""
     if name_or_path.startswith(("/", "http://", "https://")):
         return name_or_path
+    # `.`/`..` segments are resolved away by URL normalisation (client, proxies, server), so
+    # `a/../../admin` would name a path outside the stream prefix; an empty segment (`a//b`,
+    # a leading or trailing `/` in a name) is not a name either.
+    if any(segment in ("", ".", "..") for segment in name_or_path.split("/")):
+        raise ValueError(f"not a stream name: {name_or_path!r} (empty, '.' or '..' segment)")
     return prefix.rstrip("/") + "/" + quote(name_or_path, safe="/")
 
 
@@ -253,7 +258,8 @@ class Stream:
         return await self.post(b"", {"Stream-Closed": "true", **(headers or {})})
 
     async def delete(self) -> None:
-        """Deletes the stream (404 `StreamNotFound` if there is none)."""
+        """Deletes the stream (404 `StreamNotFound` if there is none; after a repeated attempt,
+        the transport takes a 404 as the lost first attempt's success)."""
         await self.transport.request("DELETE", self.path, params=self.params or None)
 
     def read(
