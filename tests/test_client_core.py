@@ -547,7 +547,12 @@ def test_closing_the_blocking_client_closes_its_producers_and_may_be_repeated(se
     producer.append("x").wait()
     producer.append("y")  # queued: close() must deliver it, not wait forever on the producer's task
     finished = threading.Event()
-    closer = threading.Thread(target=lambda: (client.close(), finished.set()), daemon=True)
+
+    def close_then_say_so() -> None:
+        client.close()
+        finished.set()
+
+    closer = threading.Thread(target=close_then_say_so, daemon=True)
     closer.start()
     assert finished.wait(10), "close() hung on a producer left open"
     client.close()  # a second close is a no-op
