@@ -414,7 +414,9 @@ def _counting(status: int, code: str) -> tuple[list[str], httpx.MockTransport]:
     return calls, httpx.MockTransport(handler)
 
 
-@pytest.mark.parametrize("code", ["owner_unavailable", "storage_unavailable", "member_unavailable", ""])
+@pytest.mark.parametrize(
+    "code", ["owner_unavailable", "not_durable", "storage_unavailable", "member_unavailable"]
+)
 async def test_a_plain_append_is_not_repeated_after_a_503_that_may_have_done_it(code: str) -> None:
     # owner_unavailable: the forwarding member answers it on any error of its hop to the owner,
     # also after the owner appended; repeating it would append twice.
@@ -426,7 +428,7 @@ async def test_a_plain_append_is_not_repeated_after_a_503_that_may_have_done_it(
 
 
 @pytest.mark.parametrize(
-    "code", ["not_ready", "shutting_down", "recovering", "stale_placement", "server_busy"]
+    "code", ["not_ready", "shutting_down", "recovering", "stale_placement", "server_busy", ""]
 )
 async def test_a_plain_append_is_repeated_after_a_503_refused_before_any_work(code: str) -> None:
     calls, mock = _counting(503, code)

@@ -12,21 +12,16 @@ The retry rules, and why:
   request reaches a stream; proxies' rate limits likewise): any method may repeat it, after
   `Retry-After` when the server gives one.
 - 503 is repeated for idempotent requests whatever its cause. A non-idempotent request (a POST
-  without `Producer-Id`: a plain append) is repeated only when the 503's code says the server
-  refused it before doing anything, an allowlist read off the server's code
-  (streamkeep/protocol, streamkeep/server, streamkeep/actors, streamkeep/storage, streamkeep/cluster):
-  `not_ready` (server/service.py: the server is still starting, nothing is served),
-  `shutting_down` (actors/actor.py: the stream's actor refuses new work while stopping),
-  `recovering` (storage/disk/storage.py: the stream is not read back from disk yet),
-  `stale_placement` (server/forwarding.py: members disagree about the owner, nothing forwarded),
-  `server_busy` (http/budget.py: the body was refused before it was read),
-  `read_only` and `cold_backlog` (storage/disk/log.py: appends refused before writing).
-  Everything else is not repeated: `owner_unavailable` (cluster/forward.py) is answered on ANY
-  httpx error of the forwarding hop, including a read timeout after the owner applied the append,
-  so repeating it can append twice; `not_durable` means it WAS done; `storage_unavailable` and
-  `member_unavailable` come from a write or a call that failed part way; a 503 with no code (a
-  proxy's page) says nothing about what happened. At most once for plain appends; exactly once is
-  the idempotent producer's job (its POSTs carry `Producer-Id` and are deduplicated).
+  without `Producer-Id`: a plain append) is repeated too, as HTTP means a 503 (the server could
+  not handle it now: HAProxy with no server up, a server starting or stopping, and streamkeep's
+  refusals before any work, `not_ready`, `shutting_down`, `recovering`, `stale_placement`,
+  `server_busy`, `read_only`, `cold_backlog`), except where the server's code says it may have
+  been done: `owner_unavailable` (cluster/forward.py answers it on ANY error of the forwarding
+  hop, including a read timeout after the owner applied the append, so repeating it can append
+  twice), `not_durable` (it WAS done), and `storage_unavailable` and
+  `member_unavailable` (a write or a call that failed part way). The upstream client conformance
+  suite checks that a plain append is repeated after a 503 without a code. Exactly once is the
+  idempotent producer's job (its POSTs carry `Producer-Id` and are deduplicated).
 - 500, 502 and 504 are repeated for idempotent requests only: a gateway's 502 during a failover
   is worth waiting out, but a plain append answered 500 may have been appended.
 - A connection that could not be opened (connect error or timeout, no free connection) sent
@@ -69,16 +64,9 @@ RETRYABLE_STATUSES = frozenset((429, 503))
 IDEMPOTENT_RETRYABLE_STATUSES = frozenset((500, 502, 504))
 # 503 codes that mean "refused before doing anything" (see the module docstring for where each
 # comes from): the only 503s a non-idempotent request is repeated after.
-REFUSED_BEFORE_WORK_CODES = frozenset(
-    (
-        "not_ready",
-        "shutting_down",
-        "recovering",
-        "stale_placement",
-        "server_busy",
-        "read_only",
-        "cold_backlog",
-    )
+# 503 codes after which a non-idempotent request may have been done (see the module docstring).
+MAY_HAVE_BEEN_DONE_CODES = frozenset(
+    ("owner_unavailable", "not_durable", "storage_unavailable", "member_unavailable")
 )
 # 2**30 * base_delay is past any max_delay; a larger exponent only risks float overflow.
 _MAX_BACKOFF_EXPONENT = 30
@@ -122,14 +110,14 @@ def _may_retry_status(error: StreamError, idempotent: bool) -> bool:
         return True
     if error.status != 503:
         return False
-    return idempotent or error.code in REFUSED_BEFORE_WORK_CODES
+    return idempotent or error.code not in MAY_HAVE_BEEN_DONE_CODES
 
 
 def _may_have_been_done(error: StreamError) -> bool:
     """Whether a refused attempt that is being repeated may have done the request anyway."""
     if error.status == 429:
         return False
-    return error.status != 503 or error.code not in REFUSED_BEFORE_WORK_CODES
+    return error.status != 503 or error.code in MAY_HAVE_BEEN_DONE_CODES
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
