@@ -58,6 +58,11 @@ class Follower:
         return mirror.attach(ours, "test-follower"), theirs
 
 
+# Tests with no coordinator to release a broken link wait for a slow follower instead of taking it
+# for gone: on a loaded 2-core CI machine a follower's sync took over the 2 s default once.
+PATIENT = 60.0
+
+
 def meta(name: str) -> StreamMeta:
     return StreamMeta(name=name, stream_id=name, content_type="text/plain", created_at=0.0, last_access=0.0)
 
@@ -72,7 +77,9 @@ async def test_the_copy_is_byte_for_byte_the_owners(tmp_path: Path) -> None:
     owner_dir, copy_dir = tmp_path / "owner", tmp_path / "copy"
     owner_dir.mkdir()
     synced: list[str] = []
-    mirror = MirrorFileSystem(files.OS, owner_dir, on_in_sync=lambda link: synced.append(link.peer))
+    mirror = MirrorFileSystem(
+        files.OS, owner_dir, on_in_sync=lambda link: synced.append(link.peer), ack_timeout=PATIENT
+    )
     storage = DiskStorage(owner_dir, budget=BUDGET, fs=mirror, segment_max_messages=5)
     replica = Follower(copy_dir)
     async with trio.open_nursery() as nursery:
@@ -120,7 +127,7 @@ async def test_a_sync_waits_for_the_follower_until_released(tmp_path: Path) -> N
     owner_dir, copy_dir = tmp_path / "owner", tmp_path / "copy"
     owner_dir.mkdir()
     broken: list[Link] = []
-    mirror = MirrorFileSystem(files.OS, owner_dir, on_broken=broken.append)
+    mirror = MirrorFileSystem(files.OS, owner_dir, on_broken=broken.append, ack_timeout=PATIENT)
     replica = Follower(copy_dir)
     link, theirs = replica.join(mirror)
     await wait_in_sync(link)
@@ -228,7 +235,7 @@ async def test_a_large_copy_joins_under_writes_with_big_frames_and_modes(tmp_pat
     frame travels, and a 0600 key file stays 0600 on the copy."""
     owner_dir, copy_dir = tmp_path / "owner", tmp_path / "copy"
     owner_dir.mkdir()
-    mirror = MirrorFileSystem(files.OS, owner_dir)
+    mirror = MirrorFileSystem(files.OS, owner_dir, ack_timeout=PATIENT)
     for n in range(40):
         (owner_dir / f"d{n % 4}").mkdir(exist_ok=True)
         (owner_dir / f"d{n % 4}" / f"f{n}").write_bytes(os.urandom(1 << 20))
@@ -304,7 +311,7 @@ async def test_a_copy_made_under_renames_and_deletes_of_whole_directories_is_exa
         directory = owner_dir / f"d{n % 12}" / f"d{n % 5}"
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"f{n}").write_bytes(rng.randbytes(rng.randrange(1, 700)))
-    mirror = MirrorFileSystem(files.OS, owner_dir)
+    mirror = MirrorFileSystem(files.OS, owner_dir, ack_timeout=PATIENT)
     replica = Follower(copy_dir)
     link, _ = replica.join(mirror)
     changes = 0
