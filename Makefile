@@ -62,12 +62,13 @@ unit: $(VENV_STAMP) $(NPM_STAMP) system-tools browser-tools
 # The fault tests mount a small tmpfs and an ext4 loop image (as root, as CI runs): mkfs.ext4
 # comes from Debian's e2fsprogs. The cluster tests put Debian's haproxy in front of two processes, and
 # coordinate replication through Debian's etcd (etcd-server, 3.4); the replication tests cut a machine
-# off with iptables.
+# off with iptables. The Postgres bridge's tests (streamkeep sync) start Debian's Postgres with initdb.
 system-tools:
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v mkfs.ext4 >/dev/null || { apt-get update -qq && apt-get install -y -qq e2fsprogs; }
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v haproxy >/dev/null || { apt-get update -qq && apt-get install -y -qq haproxy; }
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server; }
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v iptables >/dev/null || { apt-get update -qq && apt-get install -y -qq iptables; }
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq postgresql; }
 
 # The stream browser's tests (tests/test_ui_browser.py) drive the page in headless Chromium through
 # Selenium: Debian's chromium and the chromedriver built for it.
