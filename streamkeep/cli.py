@@ -185,6 +185,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip messages that are not State Protocol change or control messages (counted) "
         "instead of stopping",
     )
+    sync = commands.add_parser(
+        "sync",
+        help="bridge Postgres and streams both ways, exactly once (docs/postgres-sync.md)",
+        description="Runs every mapping of the config: [[pg_to_stream]] (a table's changes, by "
+        "logical replication, appended to a stream) and [[stream_to_pg]] (a stream's messages applied "
+        "to a table). Serves /metrics and /healthz ([sync] port). Stops on Ctrl-C or SIGTERM. "
+        "`streamkeep sync reset NAME` makes a mapping start over (a new snapshot, or the stream's "
+        "beginning). Needs `pip install 'streamkeep[postgres]'`.",
+    )
+    sync.add_argument("--config", metavar="FILE", required=True, help="sync.toml (see docs/postgres-sync.md)")
+    sync.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sync_commands = sync.add_subparsers(dest="sync_command", metavar="COMMAND")
+    reset = sync_commands.add_parser(
+        "reset",
+        help="make one mapping start over at its next start (stop the sync process first)",
+        description="pg_to_stream: drops the mapping's slot and checkpoint, so the next start copies "
+        "the tables again behind a `reset` control message. stream_to_pg: forgets the stored offset "
+        "and empties the table, so the next start applies the stream from its beginning.",
+    )
+    reset.add_argument("mapping", metavar="NAME", help="the mapping's name in the config")
     cluster = commands.add_parser(
         "cluster",
         help="run streamkeep as several processes behind HAProxy (docs/scaling.md)",
@@ -471,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         return _sign(args)
     if args.command == "compact":
         return _compact(args)
+    if args.command == "sync":
+        from streamkeep.sync.command import main as sync_main
+
+        return sync_main(args.config, args.log_level, getattr(args, "mapping", None))
     if args.command == "cluster":
         if args.cluster_command == "haproxy-config":
             return _haproxy_config(args)
