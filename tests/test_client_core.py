@@ -245,6 +245,8 @@ def test_stream_path_encodes_names_and_keeps_paths() -> None:
     assert stream_path("/other/x") == "/other/x"
     assert encode_body({"a": 1}) == (b'[{"a":1}]', "application/json")
     assert encode_body("é") == ("é".encode(), None)
+    with pytest.raises(ValueError):  # NaN and Infinity are not JSON: refused before sending
+        encode_body({"x": float("inf")})
 
 
 # -- the error mapping ------------------------------------------------------------------------
@@ -539,6 +541,14 @@ def test_the_blocking_facade(server: ServerProcess, backend: str) -> None:
             assert receipts[-1].wait().next_offset is not None
             producer.append({"n": 5})
         assert list(produced.messages()) == [{"n": n} for n in range(6)]  # close delivered the last
+        bounded = client.stream(fresh())
+        bounded.create(content_type="text/plain")
+        with bounded.producer("bounded", linger=0.05, max_buffered_bytes=8) as producer:
+            # Past max_buffered_bytes a blocking append waits for room instead of raising
+            # ProducerFull: 20 appends of 6 bytes, at most one lingering batch held at a time.
+            for n in range(20):
+                producer.append(b"%06d" % n)
+        assert b"".join(batch.data for batch in bounded.read()) == b"".join(b"%06d" % n for n in range(20))
 
 
 def test_closing_the_blocking_client_closes_its_producers_and_may_be_repeated(server: ServerProcess) -> None:

@@ -33,7 +33,7 @@ from streamkeep.client.errors import (
     Unavailable,
 )
 from streamkeep.client.http import HttpTransport, RetryPolicy
-from streamkeep.client.producer import IdempotentProducer, ProducerClosed, Receipt
+from streamkeep.client.producer import IdempotentProducer, ProducerClosed, ProducerFull, Receipt
 from streamkeep.client.reader import Batch, LiveMode, Messages, Reader
 from streamkeep.client.stream import AppendResult, Stream, StreamInfo
 
@@ -50,6 +50,7 @@ __all__ = [
     "Messages",
     "PayloadTooLarge",
     "ProducerClosed",
+    "ProducerFull",
     "ProtocolError",
     "Reader",
     "Receipt",

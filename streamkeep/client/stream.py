@@ -114,7 +114,8 @@ def encode_body(data: Any) -> tuple[bytes, str | None]:
         return bytes(data), None
     if isinstance(data, str):
         return data.encode("utf-8"), None
-    return jsonlib.dumps([data], separators=(",", ":")).encode("utf-8"), JSON
+    # allow_nan=False: NaN and Infinity are not JSON; refused here (ValueError) rather than by the server.
+    return jsonlib.dumps([data], separators=(",", ":"), allow_nan=False).encode("utf-8"), JSON
 
 
 def rfc3339(value: str | datetime) -> str:

@@ -269,6 +269,8 @@ class Producer:
         self._on_close: Callable[[], None] | None = None
 
     def append(self, data: Any) -> Receipt:
+        """Enqueues `data`; blocks while the producer holds `max_buffered_bytes` unwritten (the
+        natural backpressure for a blocking caller, where the async `append` raises ProducerFull)."""
         return Receipt(self._portal, self._portal.call(_enqueue, self.producer, data))
 
     def flush(self) -> None:
@@ -301,8 +303,9 @@ class Producer:
 
 
 async def _enqueue(producer: IdempotentProducer, data: Any) -> Awaitable[Any]:
-    """Runs `append` in the loop's thread; its receipt is awaited later, by `Receipt.wait`."""
-    receipt: Awaitable[Any] = producer.append(data)
+    """Runs `send` in the loop's thread (waiting for room); its receipt is awaited later, by
+    `Receipt.wait`."""
+    receipt: Awaitable[Any] = await producer.send(data)
     return receipt
 
 
