@@ -1,0 +1,357 @@
+"""One Postgres -> stream mapping, run until cancelled: take the mapping over (advisory lock, then
+the checkpoint's generation), snapshot if there is no finished checkpoint, then stream the slot.
+
+Exactly once, per batch (whole transactions only, closed at `batch_rows` rows or `batch_wait`):
+  1. the checkpoint records the batch as pending (its seq and its last transaction's commit end),
+  2. the batch is appended with Producer-Id/Epoch/Seq (a retry is a duplicate the server drops),
+  3. the checkpoint moves `appended_lsn` to the batch's end and the seq on,
+  4. the slot's flush position is confirmed to that end.
+A crash anywhere restarts from the checkpoint: transactions ending at or before `appended_lsn` are
+skipped (the slot may replay them: its position is persisted only at Postgres checkpoints), and a
+pending batch is rebuilt from the same transactions with the same encoding and re-sent under its
+seq. Then the epoch is bumped, so the server refuses (403) any append of a paused older bridge."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import psycopg
+import trio
+
+from streamkeep.client import Client, SequenceConflict, Stream, StreamExists, StreamNotFound
+from streamkeep.sync.config import PgToStream
+from streamkeep.sync.crashpoints import crash_point
+from streamkeep.sync.source import catalog, encode
+from streamkeep.sync.source.changes import Changes, reset_hint, set_lsn
+from streamkeep.sync.source.checkpoint import Checkpoint, CheckpointStore, new_producer_id
+from streamkeep.sync.source.pgoutput import (
+    Begin,
+    Commit,
+    Delete,
+    Insert,
+    Keepalive,
+    Origin,
+    Relation,
+    Truncate,
+    Update,
+    decode,
+    lsn_text,
+    unix_time,
+)
+from streamkeep.sync.source.replication import ReplicationConnection, ReplicationError
+from streamkeep.sync.source.snapshot import SnapshotReader
+from streamkeep.sync.stats import MappingStats, MappingStopped
+
+log = logging.getLogger("streamkeep.sync.source")
+SINK_ORIGIN = "streamkeep_sync"  # the sink's replication origin (AGREEMENT): its transactions never echo
+STATUS_EVERY = 10.0  # seconds between standby status updates when nothing else sends one
+TABLE_CHECK_EVERY = 5.0  # seconds between checks that the tables still exist, while idle
+T = TypeVar("T")
+
+
+class BridgeBusy(Exception):
+    """Another bridge holds this mapping (transient: the process retries, and takes over when
+    the other one goes)."""
+
+
+async def blocking(fn: Callable[..., T], *args: Any) -> T:
+    return await trio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
+
+
+@dataclass
+class Transaction:
+    xid: int
+    commit_time: int
+    skip: bool = False  # the sink's own write (origin streamkeep_sync)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    rows: int = 0
+    end_lsn: int = 0
+    commit_time: int = 0
+    opened_at: float = 0.0
+
+
+class Bridge:
+    def __init__(self, mapping: PgToStream, client: Client, stats: MappingStats) -> None:
+        self.mapping = mapping
+        self.stats = stats
+        self.stream: Stream = client.stream(mapping.stream, content_type=encode.JSON_TYPE)
+        self.control: psycopg.Connection[tuple[object, ...]] | None = None
+        self.replication: ReplicationConnection | None = None
+        self.checkpoint: Checkpoint | None = None
+        self.confirmed = 0  # the slot's flush position we have confirmed (or will, at the next status)
+        self.sent_status = 0
+        self.server_wal_end = 0
+
+    def close(self) -> None:
+        if self.replication is not None:
+            self.replication.close()
+        if self.control is not None:
+            self.control.close()
+
+    @property
+    def store(self) -> CheckpointStore:
+        assert self.control is not None
+        return CheckpointStore(self.control, self.mapping.checkpoint_table, self.mapping.name)
+
+    async def run(self) -> None:
+        m = self.mapping
+        self.control = await blocking(lambda: psycopg.connect(m.dsn, autocommit=True))
+        store = self.store
+        if not await blocking(store.try_lock, m.slot):
+            raise BridgeBusy(f"mapping {m.name}: another bridge holds slot {m.slot} (advisory lock); waiting")
+        await blocking(store.ensure_table)
+        tables = await blocking(catalog.check_tables, self.control, m.name, m.tables)
+        await blocking(catalog.ensure_publication, self.control, m.name, m.publication, m.tables)
+        try:
+            created = (await self.stream.create(content_type=encode.JSON_TYPE)).created
+        except StreamExists as error:
+            raise MappingStopped(
+                f"mapping {m.name}: stream {m.stream} exists with another configuration (not application/json?)"
+            ) from error
+        previous = await blocking(store.load)
+        slot = await blocking(catalog.slot_state, self.control, m.slot)
+        if previous is None or previous.appended_lsn is None:
+            start = await self._snapshot(previous, slot, tables, stream_was_new=created)
+            rebuilding = None
+        else:
+            if slot is None:
+                raise MappingStopped(
+                    f"mapping {m.name}: replication slot {m.slot} is gone; {reset_hint(m.name)}"
+                )
+            if slot.wal_status == "lost":
+                raise MappingStopped(
+                    f"mapping {m.name}: replication slot {m.slot} was invalidated (WAL removed past "
+                    f"max_slot_wal_keep_size); {reset_hint(m.name)}"
+                )
+            if slot.active_pid is not None:
+                raise BridgeBusy(f"mapping {m.name}: slot {m.slot} is in use by backend {slot.active_pid}")
+            self.checkpoint = await blocking(store.claim, previous, previous)
+            assert previous.appended_lsn is not None
+            start = previous.appended_lsn
+            rebuilding = previous.pending
+            if rebuilding is None:
+                await self._next_epoch()
+            self.replication = await ReplicationConnection.open(m.dsn)
+        self.confirmed = start
+        self.stats.position = lsn_text(start)
+        assert self.replication is not None
+        try:
+            await self.replication.start(m.slot, start, m.publication)
+        except ReplicationError as error:
+            raise self._slot_error(error) from error
+        log.info("mapping %s: streaming slot %s from %s", m.name, m.slot, lsn_text(start))
+        self.stats.state = "streaming"
+        await self._stream(Changes(m.name, tables), rebuilding is not None)
+
+    def _slot_error(self, error: ReplicationError) -> Exception:
+        if error.sqlstate == "55000" and "can no longer" in str(error):
+            return MappingStopped(
+                f"mapping {self.mapping.name}: slot {self.mapping.slot} was invalidated: {error}; {reset_hint(self.mapping.name)}"
+            )
+        return error
+
+    async def _next_epoch(self) -> None:
+        assert self.checkpoint is not None
+        self.checkpoint = self.checkpoint.next_epoch()
+        await blocking(self.store.save, self.checkpoint)
+
+    # The snapshot.
+
+    async def _snapshot(
+        self,
+        previous: Checkpoint | None,
+        slot: catalog.SlotState | None,
+        tables: dict[str, catalog.TableInfo],
+        stream_was_new: bool,
+    ) -> int:
+        """Creates the slot, copies its exported snapshot onto the stream, and returns the slot's
+        consistent point. A snapshot cut short (no finished checkpoint) is started over from a new
+        slot behind a `reset` control message, under a new epoch (the old epoch's seqs may hold
+        batches of the abandoned copy)."""
+        m = self.mapping
+        assert self.control is not None
+        if slot is not None:
+            if slot.active_pid is not None:
+                raise BridgeBusy(f"mapping {m.name}: slot {m.slot} is in use by backend {slot.active_pid}")
+            await blocking(catalog.drop_slot, self.control, m.slot)
+        if previous is None:
+            fresh = Checkpoint(new_producer_id(m.name), 0, 0, None, None, 0)
+        else:
+            fresh = Checkpoint(previous.producer_id, previous.epoch + 1, 0, None, None, 0)
+        self.checkpoint = await blocking(self.store.claim, previous, fresh)
+        self.stats.state = "snapshot"
+        self.replication = await ReplicationConnection.open(m.dsn)
+        made = await self.replication.create_slot(m.slot, export_snapshot=m.snapshot)
+        point = lsn_text(made.consistent_point)
+        log.info("mapping %s: created slot %s at %s", m.name, m.slot, point)
+        head: list[dict[str, Any]] = [] if stream_was_new else [encode.control("reset")]
+        if m.snapshot:
+            assert made.snapshot_name is not None
+            reader = await blocking(SnapshotReader, m.dsn, made.snapshot_name)
+            try:
+                pending: list[dict[str, Any]] = [*head, encode.control("snapshot-start")]
+                for table in tables.values():
+                    chunks = reader.rows(table, m.batch_rows, point)
+                    while (chunk := await blocking(next, chunks, None)) is not None:
+                        pending.extend(chunk)
+                        if len(pending) >= m.batch_rows:
+                            await self._append_unrecorded(pending)
+                            pending = []
+                pending.append(encode.control("snapshot-end"))
+                await self._append_unrecorded(pending)
+            finally:
+                await blocking(reader.close)
+        elif head:
+            await self._append_unrecorded(head)
+        self.checkpoint = replace(self.checkpoint, appended_lsn=made.consistent_point)
+        await blocking(self.store.save, self.checkpoint)
+        return made.consistent_point
+
+    async def _append_unrecorded(self, messages: list[dict[str, Any]]) -> None:
+        """A snapshot batch: not recorded as pending (a crash restarts the whole snapshot under a
+        new epoch), only the seq moves on."""
+        assert self.checkpoint is not None
+        await self._append(messages, self.checkpoint.next_seq)
+        self.checkpoint = replace(self.checkpoint, next_seq=self.checkpoint.next_seq + 1)
+        self.stats.progressed(sum(1 for m in messages if "type" in m), self.stats.position)
+        self.stats.state = "snapshot"
+
+    async def _append(self, messages: list[dict[str, Any]], seq: int) -> None:
+        assert self.checkpoint is not None
+        headers = {
+            "Content-Type": encode.JSON_TYPE,
+            "Producer-Id": self.checkpoint.producer_id,
+            "Producer-Epoch": str(self.checkpoint.epoch),
+            "Producer-Seq": str(seq),
+        }
+        try:
+            await self.stream.post(encode.payload(messages), headers)
+        except (SequenceConflict, StreamNotFound) as error:
+            # The server no longer has this producer's history (the stream was deleted or
+            # re-created): what the stream holds is unknown, a fresh snapshot is the way back.
+            raise MappingStopped(
+                f"mapping {self.mapping.name}: stream {self.mapping.stream} lost its history ({error}); "
+                f"{reset_hint(self.mapping.name)}"
+            ) from error
+
+    # Streaming.
+
+    async def _stream(self, changes: Changes, rebuilding: bool) -> None:
+        """Reads the slot until cancelled. While `rebuilding`, the checkpoint's pending batch is
+        re-collected and re-sent whole, whatever batch_rows and batch_wait say now."""
+        m = self.mapping
+        assert self.replication is not None and self.checkpoint is not None
+        batch = Batch()
+        transaction: Transaction | None = None
+        last_status = time.monotonic()
+        last_table_check = time.monotonic()
+        while True:
+            deadline = batch.opened_at + m.batch_wait if batch.rows and not rebuilding else None
+            timeout = max(0.0, deadline - time.monotonic()) if deadline is not None else STATUS_EVERY
+            received = None
+            with trio.move_on_after(timeout):
+                received = await self.replication.receive()
+            if received is None:
+                if batch.messages and not rebuilding:
+                    await self._flush(batch)
+                    batch = Batch()
+                elif time.monotonic() - last_status >= STATUS_EVERY:
+                    await self._send_status()
+                    last_status = time.monotonic()
+                continue
+            if isinstance(received, Keepalive):
+                self.server_wal_end = max(self.server_wal_end, received.wal_end)
+                if transaction is None and not batch.messages and not rebuilding:
+                    # Nothing of ours is open: everything the server has sent is settled, so its
+                    # WAL may be recycled (an idle publication must not hold WAL forever).
+                    self.confirmed = max(self.confirmed, received.wal_end)
+                    if time.monotonic() - last_table_check >= TABLE_CHECK_EVERY:
+                        await blocking(catalog.check_tables, self.control, m.name, m.tables)
+                        last_table_check = time.monotonic()
+                if received.reply_requested or self.confirmed > self.sent_status:
+                    await self._send_status()
+                    last_status = time.monotonic()
+                self._lag()
+                continue
+            self.server_wal_end = max(self.server_wal_end, received.wal_end)
+            message = decode(received.payload)
+            if isinstance(message, Begin):
+                transaction = Transaction(message.xid, message.commit_time)
+            elif isinstance(message, Origin):
+                if transaction is not None and message.name == SINK_ORIGIN:
+                    transaction.skip = True
+            elif isinstance(message, Relation):
+                key = None
+                if changes.relation_needs_catalog(message):
+                    key = await blocking(catalog.primary_key, self.control, message.qualified)
+                changes.add_relation(message, key)
+            elif isinstance(message, Insert | Update | Delete | Truncate):
+                if transaction is not None and not transaction.skip:
+                    transaction.messages.extend(changes.messages(message, transaction.xid))
+            elif isinstance(message, Commit):
+                done, transaction = transaction, None
+                appended = self.checkpoint.appended_lsn
+                assert appended is not None
+                if done is None or message.end_lsn <= appended or not done.messages:
+                    continue  # already on the stream (a replay), or nothing of ours
+                set_lsn(done.messages, lsn_text(message.end_lsn))
+                if not batch.rows:
+                    batch.opened_at = time.monotonic()
+                batch.messages.extend(done.messages)
+                batch.rows += len(done.messages)
+                batch.end_lsn = message.end_lsn
+                batch.commit_time = message.commit_time
+                if rebuilding:
+                    pending = self.checkpoint.pending
+                    assert pending is not None
+                    if message.end_lsn < pending.end_lsn:
+                        continue
+                    if message.end_lsn > pending.end_lsn:
+                        raise RuntimeError(
+                            f"mapping {m.name}: the pending batch ends at {lsn_text(pending.end_lsn)} but no "
+                            f"transaction of the slot ends there (next: {lsn_text(message.end_lsn)})"
+                        )
+                    await self._flush(batch, resend=True)
+                    batch = Batch()
+                    rebuilding = False
+                    await self._next_epoch()
+                elif batch.rows >= m.batch_rows:
+                    await self._flush(batch)
+                    batch = Batch()
+
+    async def _flush(self, batch: Batch, resend: bool = False) -> None:
+        assert self.checkpoint is not None and self.replication is not None
+        if not resend:
+            self.checkpoint = self.checkpoint.with_pending(batch.end_lsn)
+            await blocking(self.store.save, self.checkpoint)
+        pending = self.checkpoint.pending
+        assert pending is not None and pending.end_lsn == batch.end_lsn
+        crash_point("source.before_append")
+        await self._append(batch.messages, pending.seq)
+        crash_point("source.after_append")
+        self.checkpoint = self.checkpoint.appended()
+        await blocking(self.store.save, self.checkpoint)
+        crash_point("source.after_checkpoint")
+        self.confirmed = max(self.confirmed, batch.end_lsn)
+        await self._send_status()
+        self.stats.progressed(batch.rows, lsn_text(self.confirmed))
+        self.stats.lag_seconds = max(0.0, time.time() - unix_time(batch.commit_time))
+        self._lag()
+
+    async def _send_status(self) -> None:
+        assert self.replication is not None
+        await self.replication.send_status(self.confirmed, self.confirmed)
+        self.sent_status = self.confirmed
+
+    def _lag(self) -> None:
+        self.stats.lag_bytes = max(0, self.server_wal_end - self.confirmed)
+        self.stats.position = lsn_text(self.confirmed)

@@ -1,0 +1,74 @@
+"""Rows as State Protocol messages, deterministically: a batch rebuilt after a crash must be the
+same bytes as the one that may already be on the stream (the server deduplicates on the producer
+seq and never compares bodies, so a different body would be silently lost).
+
+Values come as Postgres' text representation (pgoutput's text mode, and the snapshot selects
+`column::text`), so both paths give the same JSON. Integers and booleans become JSON numbers and
+booleans, json/jsonb parsed JSON, floats numbers when finite; everything else (numeric, timestamps,
+uuids, arrays, ...) keeps its text, since a JSON number would lose numeric's precision and a
+timestamp has no JSON type."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+JSON_TYPE = "application/json"
+INTEGER_TYPES = frozenset((20, 21, 23, 26))  # int8, int2, int4, oid
+FLOAT_TYPES = frozenset((700, 701))  # float4, float8
+BOOL_TYPE = 16
+JSON_TYPES = frozenset((114, 3802))  # json, jsonb
+
+
+def to_json(type_oid: int, text: str | None) -> Any:
+    if text is None:
+        return None
+    if type_oid in INTEGER_TYPES:
+        return int(text)
+    if type_oid == BOOL_TYPE:
+        return text == "t"
+    if type_oid in FLOAT_TYPES:
+        value = float(text)
+        # NaN and the infinities have no JSON form: their text goes instead.
+        return value if value not in (float("inf"), float("-inf")) and value == value else text
+    if type_oid in JSON_TYPES:
+        return json.loads(text)
+    return text
+
+
+def key_text(values: Sequence[str | None]) -> str:
+    """The primary key as the message's `key`: the value's text, or a JSON array of texts for a
+    key of several columns."""
+    if len(values) == 1 and values[0] is not None:
+        return values[0]
+    return dumps(list(values))
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def change(
+    table: str, key: str, operation: str, value: dict[str, Any] | None, txid: int | None, lsn: str
+) -> dict[str, Any]:
+    """A change message; a snapshot row has no transaction id (`txid` None) and the slot's
+    consistent point as its `lsn`."""
+    message: dict[str, Any] = {"type": table, "key": key}
+    if value is not None:
+        message["value"] = value
+    headers: dict[str, str] = {"operation": operation}
+    if txid is not None:
+        headers["txid"] = str(txid)
+    headers["lsn"] = lsn
+    message["headers"] = headers
+    return message
+
+
+def control(name: str) -> dict[str, Any]:
+    return {"headers": {"control": name}}
+
+
+def payload(messages: Sequence[dict[str, Any]]) -> bytes:
+    """One append's body: a JSON array, which a JSON stream stores as one message per element."""
+    return dumps(list(messages)).encode("utf-8")
