@@ -1,0 +1,53 @@
+"""What a sink applies in one transaction: one or more consecutive read answers (`Part`s), and the
+messages among them that did not fit (`Misfit`s)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from streamkeep.client import Batch
+
+
+@dataclass(frozen=True)
+class Part:
+    """One read answer (or SSE data+control pair): where it starts and what it held."""
+
+    offset: str
+    next_offset: str
+    messages: list[Any] | None  # JSON streams; None for any other (then `data`)
+    data: bytes
+
+    @classmethod
+    def of(cls, batch: Batch) -> Part:
+        return cls(batch.offset, batch.next_offset, batch.messages, batch.data)
+
+    @property
+    def count(self) -> int:
+        if self.messages is not None:
+            return len(self.messages)
+        return 1 if self.data else 0
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """A message that does not fit the mapping: it goes to the dead-letter table, or stops the
+    mapping with this description."""
+
+    offset: str
+    index: int
+    message: Any
+    error: str
+
+    def describe(self) -> str:
+        text = json.dumps(self.message, default=repr)
+        shown = text if len(text) <= 200 else text[:200] + "..."
+        return (
+            f"message {self.index} of the batch at offset {self.offset} does not fit: {self.error}: {shown}"
+        )
+
+
+def dumps(value: Any) -> str:
+    """JSON text for a jsonb column (compact: COPY sends less)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,285 @@
+"""A `[[stream_to_pg]]` mapping's task: wait for the stream, prepare the tables, then read from
+the offset stored in Postgres and apply what comes in transactions that also move that offset.
+
+Consecutive answers already read are applied together (up to MAX_MESSAGES), still in one
+transaction with the last one's next offset, so a sink that is behind writes few, large
+transactions. Everything a restart needs is in Postgres (offset, snapshot in progress, a pending
+clear), so any process can take over at any commit boundary, and `run` can be called again after
+any exception."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import trio
+
+from streamkeep.client import Batch, Client, LiveMode, Stream, StreamGone, StreamInfo, StreamNotFound
+from streamkeep.client.reader import is_json_type
+from streamkeep.sync.config import StreamToPg
+from streamkeep.sync.sink import commit, log, offsets, reading, state, tables
+from streamkeep.sync.sink.batch import Misfit, Part
+from streamkeep.sync.sink.names import Names
+from streamkeep.sync.sink.offsets import Stored
+from streamkeep.sync.stats import MappingStats, MappingStopped
+
+MAX_MESSAGES = 50_000  # per transaction, when answers queue up
+WAIT_FOR_STREAM = 1.0  # seconds between HEADs while the stream does not exist
+LAG_CHECK = 1.0  # seconds between HEADs for lag_bytes while behind
+_OFFSET = re.compile(r"([0-9]{16})_([0-9]{16})")
+
+
+@dataclass
+class Sink:
+    mapping: StreamToPg
+    names: Names
+    stream: Stream
+    conn: psycopg.Connection
+    stats: MappingStats
+    log_columns: tables.LogColumns | None = None
+    caught_up_at: float = 0.0
+    lag_checked_at: float = 0.0
+
+    # -- preparing ------------------------------------------------------------------------
+
+    async def wait_for_stream(self) -> StreamInfo:
+        """The stream's metadata; while it does not exist (not created yet, or deleted), waits for
+        it: a re-created stream then answers 410 to our old offset and on_gone decides."""
+        while True:
+            try:
+                return await self.stream.head()
+            except (StreamNotFound, StreamGone):
+                self.stats.state = "starting"
+                self.stats.last_error = (
+                    f"stream {self.mapping.stream} does not exist: waiting for it to be created"
+                )
+                await trio.sleep(WAIT_FOR_STREAM)
+
+    def prepare(self, json_stream: bool) -> None:
+        """Blocking: origin, offsets row, tables (created if missing), checked against the stream."""
+        mapping, names = self.mapping, self.names
+        if mapping.mode == "state" and not json_stream:
+            raise MappingStopped(
+                f'sync {mapping.name}: mode = "state" needs an application/json stream (State Protocol '
+                f'messages); {mapping.stream} is not one. Use mode = "log" or another stream.'
+            )
+        if mapping.columns and not json_stream:
+            raise MappingStopped(
+                f"sync {mapping.name}: `columns` need JSON messages; {mapping.stream} is not an "
+                "application/json stream. Remove `columns` (each answer becomes one bytea row)."
+            )
+        try:
+            commit.ensure_origin(self.conn, names)
+        except psycopg.errors.InsufficientPrivilege as error:
+            raise MappingStopped(
+                f"sync {mapping.name}: the Postgres role cannot create or use replication origin "
+                f"{names.origin} (marks the sink's transactions so the source skips them): make it a "
+                f"superuser or GRANT EXECUTE on pg_replication_origin_create/_session_setup/_session_reset: {error}"
+            ) from error
+        offsets.create(self.conn, names, mapping.stream)
+        tables.create_dead_letter(self.conn, names)
+        tables.create_session_rows(self.conn)
+        if mapping.mode == "state":
+            tables.create_state(self.conn, names)
+            return
+        try:
+            self.log_columns = tables.create_log(self.conn, names, mapping, json_stream)
+        except LookupError as error:
+            raise MappingStopped(f"sync {mapping.name}: {error}; add them or map to another table") from error
+        wanted = ("jsonb", "json") if json_stream else ("bytea",)
+        if self.log_columns.types["message"] not in wanted:
+            raise MappingStopped(
+                f"sync {mapping.name}: column message of {mapping.table} is "
+                f"{self.log_columns.types['message']}, but stream {mapping.stream} needs {wanted[0]}"
+            )
+
+    # -- following ------------------------------------------------------------------------
+
+    async def follow(self, stored: Stored, info: StreamInfo) -> None:
+        """Reads and applies until the stream is gone (410, handled here) or deleted (returns)."""
+        # "-1" is resolved to the concrete earliest offset so every stored row names a real
+        # offset (a log row at "-1" would collide with the next incarnation's first one).
+        start = stored.next_offset
+        if start == offsets.BEGINNING and info.earliest_offset:
+            start = info.earliest_offset
+        send, receive = trio.open_memory_channel[reading.Item](4)
+        async with trio.open_nursery() as nursery:
+            live: LiveMode = "sse" if self.mapping.live == "sse" else "long-poll"
+            nursery.start_soon(reading.read_into, self.stream, start, live, send)
+            try:
+                ended, stored = await self.apply_all(receive, stored)
+            finally:
+                nursery.cancel_scope.cancel()
+        if isinstance(ended, reading.Gone):
+            await self.gone(ended.error, stored)
+        elif isinstance(ended, reading.Failed):
+            raise ended.error
+        elif isinstance(ended, reading.Closed):
+            self.stats.last_error = None
+            await trio.sleep_forever()  # a closed stream gets nothing more
+
+    async def apply_all(
+        self, receive: trio.MemoryReceiveChannel[reading.Item], stored: Stored
+    ) -> tuple[reading.Item, Stored]:
+        """Applies batches until the reader says how it ended; returns that, and what is stored."""
+        async with receive:
+            while True:
+                item = await receive.receive()
+                if not isinstance(item, Batch):
+                    return item, stored
+                parts = [Part.of(item)]
+                last = item
+                ended: reading.Item | None = None
+                count = parts[0].count
+                while count < MAX_MESSAGES:
+                    try:
+                        more = receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    if not isinstance(more, Batch):
+                        ended = more
+                        break
+                    parts.append(Part.of(more))
+                    count += parts[-1].count
+                    last = more
+                stored = await self.apply(parts, stored)
+                await self.note_lag(last)
+                if ended is not None:
+                    return ended, stored
+
+    async def apply(self, parts: list[Part], stored: Stored) -> Stored:
+        next_offset = parts[-1].next_offset
+        if not any(p.count for p in parts) and next_offset == stored.next_offset and not stored.clear_pending:
+            return stored  # an empty "up to date" answer: nothing to store
+        after, applied = await trio.to_thread.run_sync(self._apply_blocking, parts, stored)
+        self.stats.progressed(applied, after.next_offset)
+        if after.in_snapshot:
+            self.stats.state = "snapshot"
+        return after
+
+    def _apply_blocking(self, parts: list[Part], stored: Stored) -> tuple[Stored, int]:
+        mapping = self.mapping
+        misfits: list[Misfit]
+        if mapping.mode == "state":
+            state_plan = state.plan(parts, stored.in_snapshot, stored.clear_pending)
+            misfits, applied, in_snapshot = state_plan.misfits, state_plan.applied, state_plan.in_snapshot
+
+            def write(cur: psycopg.Cursor[Any]) -> None:
+                state.write(cur, self.names, state_plan)
+
+        else:
+            assert self.log_columns is not None
+            log_plan = log.plan(
+                parts, mapping.stream, mapping.columns, self.log_columns, stored.clear_pending
+            )
+            misfits, applied, in_snapshot = log_plan.misfits, log_plan.applied, False
+
+            def write(cur: psycopg.Cursor[Any]) -> None:
+                log.write(cur, self.names, mapping.columns, log_plan)
+
+        if misfits and mapping.dead_letter is None:
+            raise MappingStopped(
+                f"sync {mapping.name}: {misfits[0].describe()}. Nothing of that batch was applied and the "
+                f'stored offset stays at {stored.next_offset}. Set dead_letter = "TABLE" in this mapping to '
+                "set such messages aside and go on, or fix the stream (and `streamkeep sync reset "
+                f"{mapping.name}` to apply it again from the beginning)."
+            )
+        after = Stored(parts[-1].next_offset, stored.version + 1, in_snapshot, False)
+        try:
+            commit.apply(self.conn, self.names, mapping.stream, stored, after, write, misfits)
+        except psycopg.errors.DataError as error:  # a value Postgres refused that the checks let by
+            raise MappingStopped(
+                f"sync {mapping.name}: Postgres refused the batch at offset {parts[0].offset}: {error}. "
+                f"The stored offset stays at {stored.next_offset}."
+            ) from error
+        return after, applied
+
+    async def gone(self, error: StreamGone, stored: Stored) -> None:
+        mapping = self.mapping
+        if mapping.on_gone != "resync":
+            raise MappingStopped(
+                f"sync {mapping.name}: stream {mapping.stream} answered 410 Gone at the stored offset "
+                f"{stored.next_offset} (it was deleted and created again, or retention dropped data this "
+                f"sink had not applied): {error}. Run `streamkeep sync reset {mapping.name}` to apply it "
+                'again from its earliest offset, or set on_gone = "resync".'
+            )
+        earliest = error.earliest_offset or offsets.BEGINNING
+        if earliest == stored.next_offset:
+            raise RuntimeError(f"410 at {earliest}, the stream's own earliest offset: trying again later")
+        # state: the table is rebuilt from the earliest offset, emptied in the first batch's
+        # transaction; log: the rows already there stay (history), new ones follow.
+        await trio.to_thread.run_sync(
+            lambda: offsets.restart_from(
+                self.conn, self.names, earliest, clear=mapping.mode == "state", before=stored
+            )
+        )
+        self.stats.last_error = f"410 at {stored.next_offset}: resynced from {earliest}"
+
+    async def note_lag(self, last: Batch) -> None:
+        """lag_seconds: how long since the sink was last caught up (0 while it is); lag_bytes: the
+        tail's position minus ours, from a HEAD at most once a LAG_CHECK while behind."""
+        now = time.monotonic()
+        if last.up_to_date:
+            self.caught_up_at = now
+            self.stats.lag_seconds = 0.0
+            self.stats.lag_bytes = 0
+            return
+        self.stats.lag_seconds = now - (self.caught_up_at or now)
+        if now - self.lag_checked_at < LAG_CHECK:
+            return
+        self.lag_checked_at = now
+        try:
+            tail = (await self.stream.head()).next_offset or ""
+        except Exception:  # lag is a figure, not worth failing over
+            return
+        ours, theirs = _OFFSET.fullmatch(last.next_offset), _OFFSET.fullmatch(tail)
+        if ours and theirs and ours[1] == theirs[1]:
+            self.stats.lag_bytes = max(0, int(theirs[2]) - int(ours[2]))
+
+
+async def run(mapping: StreamToPg, client: Client, stats: MappingStats) -> None:
+    stats.state = "starting"
+    names = Names.of(mapping)
+    conn = await trio.to_thread.run_sync(
+        lambda: psycopg.connect(
+            mapping.dsn, connect_timeout=10, application_name=f"streamkeep-sync-{mapping.name}"
+        )
+    )
+    sink = Sink(mapping, names, client.stream(mapping.stream), conn, stats)
+    try:
+        while True:
+            info = await sink.wait_for_stream()
+            await trio.to_thread.run_sync(sink.prepare, is_json_type(info.content_type))
+            stored = await trio.to_thread.run_sync(offsets.load, conn, names)
+            stats.position = stored.next_offset
+            stats.last_error = None
+            if stats.state == "starting":
+                stats.state = "snapshot" if stored.in_snapshot else "streaming"
+            await sink.follow(stored, info)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(conn.close)
+
+
+def reset(mapping: StreamToPg) -> str:
+    names = Names.of(mapping)
+    with psycopg.connect(mapping.dsn, connect_timeout=10) as conn:
+        exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (mapping.offsets_table,)).fetchone()
+        conn.commit()
+        before = (
+            offsets.restart_from(conn, names, offsets.BEGINNING, clear=True) if exists and exists[0] else None
+        )
+    if before is None:
+        return (
+            f"nothing stored for {mapping.name} yet: it starts from the beginning of {mapping.stream} anyway"
+        )
+    return (
+        f"{mapping.name} will apply {mapping.stream} again from its beginning (it was at {before}); "
+        f"{mapping.table} is emptied in the same transaction as the first batch"
+    )
+
+
+__all__ = ["reset", "run"]

@@ -1,0 +1,84 @@
+"""One sink transaction: the replication origin set, the stored offset moved by compare-and-set,
+the rows written, the misfits dead-lettered, committed; all or nothing. Blocking (psycopg's sync
+connection): the bridge runs it in a worker thread.
+
+Crash points (STREAMKEEP_SYNC_CRASH_AT): `sink.before_commit` (everything sent, not committed:
+Postgres rolls it back, the batch is read and applied again) and `sink.after_commit` (committed,
+the process not yet told: the next start reads from the stored offset, after that batch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import errors, sql
+from psycopg.types.json import Jsonb
+
+from streamkeep.sync.crashpoints import crash_point
+from streamkeep.sync.sink import offsets
+from streamkeep.sync.sink.batch import Misfit
+from streamkeep.sync.sink.names import Names
+from streamkeep.sync.sink.offsets import Stored
+
+
+def ensure_origin(conn: psycopg.Connection, names: Names) -> None:
+    """Creates the mapping's replication origin if missing (two sinks racing: one wins)."""
+    try:
+        conn.execute(
+            """SELECT pg_replication_origin_create(%s)
+               WHERE NOT EXISTS (SELECT 1 FROM pg_replication_origin WHERE roname = %s)""",
+            (names.origin, names.origin),
+        )
+        conn.commit()
+    except errors.UniqueViolation:
+        conn.rollback()
+
+
+def apply(
+    conn: psycopg.Connection,
+    names: Names,
+    mapping_stream: str,
+    before: Stored,
+    after: Stored,
+    write: Callable[[psycopg.Cursor[Any]], None],
+    misfits: list[Misfit],
+) -> None:
+    set_up = False
+    try:
+        with conn.cursor() as cur:
+            # Marks the transaction as the sink's, so the source direction skips it (no echo).
+            # Session state in Postgres, so it is reset below whatever happens.
+            try:
+                cur.execute("SELECT pg_replication_origin_session_setup(%s)", (names.origin,))
+            except errors.ObjectInUse as error:  # Postgres 15: one session per origin
+                raise offsets.Fenced(
+                    f"another session uses replication origin {names.origin} (a second sink process on "
+                    f"mapping {names.mapping}?): {error}"
+                ) from error
+            set_up = True
+            offsets.advance(cur, names, before, after)
+            write(cur)
+            if misfits:
+                _dead_letter(cur, names, mapping_stream, misfits)
+            crash_point("sink.before_commit")
+        conn.commit()
+    except BaseException:
+        if not conn.closed:
+            conn.rollback()
+        raise
+    finally:
+        if set_up and not conn.closed and not conn.broken:
+            conn.execute("SELECT pg_replication_origin_session_reset()")
+            conn.commit()
+    crash_point("sink.after_commit")
+
+
+def _dead_letter(cur: psycopg.Cursor[Any], names: Names, stream: str, misfits: list[Misfit]) -> None:
+    assert names.dead_letter is not None  # the bridge stops on a misfit without one
+    cur.executemany(
+        sql.SQL(
+            "INSERT INTO {} (mapping, stream, stream_offset, message_index, message, error) VALUES (%s, %s, %s, %s, %s, %s)"
+        ).format(names.dead_letter),
+        [(names.mapping, stream, m.offset, m.index, Jsonb(m.message), m.error) for m in misfits],
+    )
