@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
-	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha profile crash-test soak system-tools browser-tools h2load venv clean \
+	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha bench-sync sessions-demo profile crash-test soak system-tools browser-tools h2load venv clean \
 	torture docs
 
 venv: $(VENV_STAMP)
@@ -158,6 +158,17 @@ $(PYPI_CLIENT_STAMP):
 ## client (~1 minute).
 bench-client: $(VENV_STAMP) h2load $(PYPI_CLIENT_STAMP)
 	$(PY) -m ops.bench_client --pypi-python $(PYPI_CLIENT_VENV)/bin/python
+
+## The durable sessions stack of seed 000: Postgres, streamkeep and `streamkeep sync` with the two
+## flows (table items -> stream pg-items, stream session-events -> table session_events); prints what
+## to type. ARGS="--dir DIR" keeps everything in DIR.
+sessions-demo: $(VENV_STAMP) system-tools
+	$(PY) -m ops.sessions_demo $(ARGS)
+
+## Postgres -> stream rows/s from one slot and commit-to-readable latency, stream -> Postgres
+## messages/s in state mode, beside what Postgres alone commits with the same writers.
+bench-sync: $(VENV_STAMP) system-tools
+	$(PY) -m ops.bench_sync $(ARGS)
 
 h2load:
 	@command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; }

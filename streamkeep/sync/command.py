@@ -13,6 +13,8 @@ from streamkeep.sync import config as sync_config
 
 def main(config_path: str, log_level: str, reset_mapping: str | None) -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level != "debug":  # a line per request drowns the progress lines
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         loaded = sync_config.load(Path(config_path))
         chosen = loaded.mapping(reset_mapping) if reset_mapping is not None else None
