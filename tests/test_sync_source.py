@@ -1,0 +1,447 @@
+"""Postgres -> stream (streamkeep/sync/source): a real Postgres (tests/postgres.py) and a real
+streamkeep server; the bridge runs in this process under trio (the crash tests, which kill it, are
+in test_sync_source_crash.py). Each test ends with the stream holding every committed transaction
+exactly once, in commit order."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+
+from ops import serverproc
+from streamkeep.client import Client
+from streamkeep.client.sync import Client as BlockingClient
+from streamkeep.sync import source
+from streamkeep.sync.config import PgToStream
+from streamkeep.sync.source import checkpoint, encode, pgoutput
+from streamkeep.sync.source.bridge import BridgeBusy
+from streamkeep.sync.stats import MappingStats, MappingStopped
+from tests import postgres as pg_fixtures
+
+# The fixtures (a real Postgres per worker, a fresh database per test), under the names tests use.
+postgres = pg_fixtures.postgres
+database = pg_fixtures.database
+_names = itertools.count()
+ITEMS = (
+    "CREATE TABLE items (id int PRIMARY KEY, name text, qty int, price numeric, ok bool, doc jsonb)",
+    "ALTER TABLE items REPLICA IDENTITY FULL",
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[serverproc.ServerProcess]:
+    process = serverproc.start("--storage", "memory")
+    yield process
+    process.stop()
+
+
+def unique(prefix: str = "m") -> str:
+    """Slots are cluster-wide: every test's mapping gets a name no other test (or worker) has."""
+    return f"{prefix}_{os.getpid()}_{next(_names)}"
+
+
+def mapping_for(dsn: str, name: str | None = None, **options: Any) -> PgToStream:
+    name = name or unique()
+    defaults: dict[str, Any] = {
+        "tables": ("public.items",),
+        "stream": f"pg-{name}",
+        "slot": f"sk_{name}",
+        "publication": f"sk_{name}",
+        "batch_rows": 50,
+        "batch_wait": 0.02,
+    }
+    return PgToStream(name=name, dsn=dsn, **{**defaults, **options})
+
+
+def execute(dsn: str, *statements: str, origin: str | None = None) -> None:
+    """Runs `statements` as one transaction (with `origin`: as the sink's sessions do)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if origin:
+            conn.execute(
+                "SELECT pg_replication_origin_create(%s) WHERE NOT EXISTS"
+                " (SELECT FROM pg_replication_origin WHERE roname = %s)",
+                (origin, origin),
+            )
+            conn.execute("SELECT pg_replication_origin_session_setup(%s)", (origin,))
+        with conn.transaction():
+            for statement in statements:
+                conn.execute(statement)  # type: ignore[arg-type]
+
+
+def stream_messages(url: str, stream: str) -> list[dict[str, Any]]:
+    with BlockingClient(url) as client:
+        handle = client.stream(stream)
+        if not handle.exists():
+            return []
+        return [m for batch in handle.read_all() for m in batch.messages or []]
+
+
+def changes(messages: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+    """(operation, key, value) of each change message, controls as ("control", name, None)."""
+    out: list[tuple[str, str, Any]] = []
+    for m in messages:
+        headers = m["headers"]
+        if "control" in headers:
+            out.append(("control", headers["control"], None))
+        else:
+            out.append((headers["operation"], m["key"], m.get("value")))
+    return out
+
+
+def live(messages: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+    """The change messages after the (last) snapshot."""
+    listed = changes(messages)
+    ends = [i for i, c in enumerate(listed) if c == ("control", "snapshot-end", None)]
+    return listed[ends[-1] + 1 :] if ends else listed
+
+
+def fold(messages: list[dict[str, Any]]) -> dict[tuple[str, str], Any]:
+    state: dict[tuple[str, str], Any] = {}
+    for m in messages:
+        headers = m["headers"]
+        if headers.get("control") == "reset":
+            state.clear()
+        elif "operation" in headers:
+            if headers["operation"] == "delete":
+                state.pop((m["type"], m["key"]), None)
+            else:
+                state[(m["type"], m["key"])] = m["value"]
+    return state
+
+
+def table_state(dsn: str) -> dict[tuple[str, str], Any]:
+    """The items table as the fold of its stream should be (numeric as its text, as sent)."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT id::text, to_jsonb(t) || jsonb_build_object('price', price::text) FROM items t"
+        ).fetchall()
+    return {("public.items", str(key)): value for key, value in rows}
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+async def wait_until(
+    url: str, stream: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 15
+) -> list[dict[str, Any]]:
+    with trio.fail_after(timeout):
+        while True:
+            messages = await in_thread(stream_messages, url, stream)
+            if done(messages):
+                return messages
+            await trio.sleep(0.05)
+
+
+async def keep_running(mapping: PgToStream, url: str, stats: MappingStats) -> None:
+    """What the sync process does: `run` again after any failure but MappingStopped."""
+    async with Client(url, retries=2) as client:
+        while True:
+            try:
+                await source.run(mapping, client, stats)
+            except MappingStopped:
+                raise
+            except Exception as error:  # transient: Postgres down, slot busy ...
+                stats.last_error = repr(error)
+                stats.retries += 1
+                await trio.sleep(0.2)
+
+
+def with_bridge(
+    mapping: PgToStream, url: str, body: Callable[[MappingStats], Awaitable[None]]
+) -> MappingStats:
+    stats = MappingStats(mapping.name, "pg_to_stream")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_running, mapping, url, stats)
+            await body(stats)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return stats
+
+
+def snapshot_done(messages: list[dict[str, Any]]) -> bool:
+    return ("control", "snapshot-end", None) in changes(messages)
+
+
+def test_pgoutput_and_encoding_are_deterministic() -> None:
+    assert pgoutput.lsn_text(pgoutput.lsn_parse("1/16B3748")) == "1/16B3748"
+    assert encode.to_json(16, "t") is True and encode.to_json(20, "9007199254740993") == 9007199254740993
+    assert encode.to_json(1700, "1.10") == "1.10" and encode.to_json(701, "NaN") == "NaN"
+    assert encode.key_text(["a"]) == "a" and encode.key_text(["a", "b"]) == '["a","b"]'
+    one = encode.payload([encode.change("public.t", "1", "insert", {"b": 1, "a": "é"}, 7, "0/1")])
+    assert one == encode.payload([encode.change("public.t", "1", "insert", {"b": 1, "a": "é"}, 7, "0/1")])
+    assert (
+        one
+        == '[{"type":"public.t","key":"1","value":{"b":1,"a":"é"},"headers":{"operation":"insert","txid":"7","lsn":"0/1"}}]'.encode()
+    )
+
+
+def test_snapshot_then_live_changes_in_commit_order(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    execute(
+        database,
+        "INSERT INTO items VALUES (1, 'a', 1, 1.50, true, '{\"x\": [1]}'), (2, 'b', 2, NULL, false, NULL)",
+    )
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, "INSERT INTO items VALUES (3, 'c', 3, 3, true, '[]')")
+        await in_thread(
+            execute,
+            database,
+            "UPDATE items SET name = 'A' WHERE id = 1",
+            "DELETE FROM items WHERE id = 2",
+            "UPDATE items SET id = 30 WHERE id = 3",  # a key change: delete + insert
+        )
+        for i in range(100, 160):  # more rows than a batch: batches close on batch_rows too
+            await in_thread(execute, database, f"INSERT INTO items (id, name) VALUES ({i}, 'n{i}')")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 65)
+
+    stats = with_bridge(mapping, server.url, body)
+    messages = stream_messages(server.url, mapping.stream)
+    listed = changes(messages)
+    assert listed[:4] == [
+        ("control", "snapshot-start", None),
+        ("insert", "1", {"id": 1, "name": "a", "qty": 1, "price": "1.50", "ok": True, "doc": {"x": [1]}}),
+        ("insert", "2", {"id": 2, "name": "b", "qty": 2, "price": None, "ok": False, "doc": None}),
+        ("control", "snapshot-end", None),
+    ]
+    assert listed[4:9] == [
+        ("insert", "3", {"id": 3, "name": "c", "qty": 3, "price": "3", "ok": True, "doc": []}),
+        ("update", "1", {"id": 1, "name": "A", "qty": 1, "price": "1.50", "ok": True, "doc": {"x": [1]}}),
+        ("delete", "2", None),
+        ("delete", "3", None),
+        ("insert", "30", {"id": 30, "name": "c", "qty": 3, "price": "3", "ok": True, "doc": []}),
+    ]
+    assert [key for _, key, _ in listed[9:]] == [str(i) for i in range(100, 160)]
+    # One transaction's messages carry one txid and one commit LSN; LSNs grow in commit order.
+    multi = messages[5:9]
+    assert len({m["headers"]["txid"] for m in multi}) == 1 and len({m["headers"]["lsn"] for m in multi}) == 1
+    lsns = [pgoutput.lsn_parse(m["headers"]["lsn"]) for m in messages[4:] if "lsn" in m["headers"]]
+    assert lsns == sorted(lsns)
+    assert fold(messages) == table_state(database)
+    assert stats.rows >= 67 and stats.state == "streaming" and stats.position
+
+
+def test_exactly_once_across_restarts(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database, batch_rows=7)
+    ids = iter(range(1, 10_000))
+
+    def write(count: int) -> None:
+        for _ in range(count):
+            execute(database, *(f"INSERT INTO items (id, name) VALUES ({next(ids)}, 'x')" for _ in range(3)))
+
+    async def first(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(write, 10)
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 30)
+
+    async def second(stats: MappingStats) -> None:
+        await in_thread(write, 10)
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 90)
+
+    with_bridge(mapping, server.url, first)
+    write(10)  # committed while no bridge runs: the slot keeps them
+    with_bridge(mapping, server.url, second)
+    keys = [key for _, key, _ in live(stream_messages(server.url, mapping.stream))]
+    assert keys == [str(i) for i in range(1, 91)]
+    with psycopg.connect(database) as conn:
+        row = conn.execute(
+            "SELECT epoch, pending_seq FROM streamkeep_sync.checkpoints WHERE name = %s", (mapping.name,)
+        ).fetchone()
+    assert row == (1, None)  # epoch 0 from the snapshot, 1 after the second start took over
+
+
+def test_second_bridge_on_the_slot_is_refused(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        async with Client(server.url) as client:
+            with pytest.raises(BridgeBusy):
+                await source.run(mapping, client, MappingStats("second", "pg_to_stream"))
+        with pytest.raises(BridgeBusy):
+            await in_thread(source.reset, mapping)
+        await in_thread(execute, database, "INSERT INTO items (id) VALUES (1)")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) == 1)
+
+    with_bridge(mapping, server.url, body)
+    assert [key for _, key, _ in live(stream_messages(server.url, mapping.stream))] == ["1"]
+
+
+def test_a_paused_old_bridge_cannot_move_the_checkpoint(database: str) -> None:
+    with psycopg.connect(database, autocommit=True) as conn:
+        store = checkpoint.CheckpointStore(conn, "streamkeep_sync.checkpoints", "fenced")
+        store.ensure_table()
+        mine = store.claim(None, checkpoint.Checkpoint("p", 0, 0, 100, None, 0))
+        theirs = store.claim(mine, mine)  # a new bridge took over
+        with pytest.raises(checkpoint.Fenced):
+            store.save(mine.with_pending(200))
+        store.save(theirs.with_pending(300))
+        loaded = store.load()
+        assert loaded is not None and loaded.pending == checkpoint.Pending(0, 300)
+
+
+def test_added_column_flows_through(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, "INSERT INTO items (id, name) VALUES (1, 'a')")
+        await in_thread(execute, database, "ALTER TABLE items ADD COLUMN color text DEFAULT 'red'")
+        await in_thread(execute, database, "INSERT INTO items (id, name, color) VALUES (2, 'b', 'blue')")
+        await in_thread(execute, database, "UPDATE items SET qty = 5 WHERE id = 1")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 3)
+
+    with_bridge(mapping, server.url, body)
+    listed = live(stream_messages(server.url, mapping.stream))
+    assert "color" not in listed[0][2]
+    assert listed[1][2]["color"] == "blue" and listed[2][2]["color"] == "red" and listed[2][2]["qty"] == 5
+
+
+def test_toast_table_needs_replica_identity_full(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, "CREATE TABLE docs (id int PRIMARY KEY, body text, n int)")
+    mapping = mapping_for(database, tables=("public.docs",))
+
+    async def refused() -> None:
+        async with Client(server.url) as client:
+            await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
+
+    with pytest.raises(MappingStopped, match="REPLICA IDENTITY FULL"):
+        trio.run(refused)
+    big = "x" * 100_000  # TOASTed (out of line): an UPDATE of `n` alone logs it as unchanged
+    execute(
+        database, "ALTER TABLE docs REPLICA IDENTITY FULL", "ALTER TABLE docs ALTER body SET STORAGE EXTERNAL"
+    )
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, f"INSERT INTO docs VALUES (1, '{big}', 0)")
+        await in_thread(execute, database, "UPDATE docs SET n = 1 WHERE id = 1")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 2)
+
+    with_bridge(mapping, server.url, body)
+    listed = live(stream_messages(server.url, mapping.stream))
+    assert listed[1] == ("update", "1", {"id": 1, "body": big, "n": 1})
+
+
+def test_table_without_primary_key_is_refused(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, "CREATE TABLE nokey (a int)")
+    mapping = mapping_for(database, tables=("public.nokey",))
+
+    async def main() -> None:
+        async with Client(server.url) as client:
+            await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
+
+    with pytest.raises(MappingStopped, match="no primary key"):
+        trio.run(main)
+
+
+def test_sink_origin_transactions_are_skipped(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, "INSERT INTO items (id) VALUES (1)")
+        await in_thread(execute, database, "INSERT INTO items (id) VALUES (2)", origin="streamkeep_sync")
+        await in_thread(execute, database, "INSERT INTO items (id) VALUES (3)")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 2)
+        await trio.sleep(0.2)
+
+    with_bridge(mapping, server.url, body)
+    assert [key for _, key, _ in live(stream_messages(server.url, mapping.stream))] == ["1", "3"]
+
+
+def slot_confirmed(dsn: str, slot: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    assert row is not None
+    return pgoutput.lsn_parse(str(row[0]))
+
+
+def test_idle_publication_still_confirms(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS, "CREATE TABLE other (id int PRIMARY KEY)")
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        before = await in_thread(slot_confirmed, database, mapping.slot)
+        for i in range(20):  # WAL, none of it published
+            await in_thread(execute, database, f"INSERT INTO other VALUES ({i})")
+        with psycopg.connect(database) as conn:
+            wal_end = pgoutput.lsn_parse(str(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]))  # type: ignore[index]
+        assert wal_end > before
+        with trio.fail_after(20):  # the walsender's keepalives carry its WAL end; we confirm it
+            while await in_thread(slot_confirmed, database, mapping.slot) < wal_end:
+                await in_thread(execute, database, "SELECT pg_switch_wal()")  # nudges a keepalive
+                await trio.sleep(0.2)
+
+    with_bridge(mapping, server.url, body)
+    assert live(stream_messages(server.url, mapping.stream)) == []
+
+
+def test_reset_starts_a_new_snapshot_behind_a_reset_control(
+    database: str, server: serverproc.ServerProcess
+) -> None:
+    execute(database, *ITEMS, "INSERT INTO items (id) VALUES (1), (2)")
+    mapping = mapping_for(database)
+
+    async def first(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, "DELETE FROM items WHERE id = 2")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 1)
+
+    with_bridge(mapping, server.url, first)
+    assert "dropped" in source.reset(mapping)
+    execute(database, "INSERT INTO items (id) VALUES (3)")
+
+    async def second(stats: MappingStats) -> None:
+        await wait_until(
+            server.url, mapping.stream, lambda ms: changes(ms).count(("control", "snapshot-end", None)) == 2
+        )
+
+    with_bridge(mapping, server.url, second)
+    messages = stream_messages(server.url, mapping.stream)
+    listed = changes(messages)
+    assert listed[5:] == [
+        ("control", "reset", None),
+        ("control", "snapshot-start", None),
+        ("insert", "1", {"id": 1, "name": None, "qty": None, "price": None, "ok": None, "doc": None}),
+        ("insert", "3", {"id": 3, "name": None, "qty": None, "price": None, "ok": None, "doc": None}),
+        ("control", "snapshot-end", None),
+    ]
+    assert fold(messages) == table_state(database)
+
+
+def test_dropped_table_stops_the_mapping(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+
+    with_bridge(mapping, server.url, body)
+    execute(database, "DROP TABLE items")
+
+    async def main() -> None:
+        async with Client(server.url) as client:
+            await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
+
+    with pytest.raises(MappingStopped, match=f"streamkeep sync reset {mapping.name}"):
+        trio.run(main)
