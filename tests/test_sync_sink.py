@@ -5,21 +5,33 @@ to the fold of the stream (state) or the stream's messages in order (log), exact
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
+import psycopg
 import pytest
+import trio
 
 from ops import serverproc
 from streamkeep.client import Client
+from streamkeep.sync import process
+from streamkeep.sync.sink import commit, offsets, reset, run
+from streamkeep.sync.sink.names import Names
+from streamkeep.sync.stats import MappingStats, MappingStopped
 from tests import postgres as pg_fixtures
 from tests.sync_sink_helpers import (
     append,
     assert_log_is_stream,
     assert_state_is_fold,
+    caught_up,
     change,
+    control,
     mapping,
     query,
+    query_commit,
     run_until_caught_up,
     state_table,
+    stored_offset,
+    wait_for,
 )
 
 postgres, database = pg_fixtures.postgres, pg_fixtures.database  # the fixtures, under their names
@@ -67,3 +79,228 @@ async def test_state_mode_table_is_the_fold_of_the_stream(server: str, database:
         await run_until_caught_up(server, sink)
         await assert_state_is_fold(client, sink)
         assert state_table(database, "items")[("item", "1")] == {"v": "again"}
+
+
+async def test_snapshot_is_swapped_in_whole_at_its_end_and_reset_clears(server: str, database: str) -> None:
+    sink = mapping(database, "snap")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        s = sink.stream
+        await append(client, s, [change("t", "a", 1), change("t", "b", 2)])
+        await append(client, s, [control("snapshot-start"), change("t", "c", 3)])
+        stats = await run_until_caught_up(server, sink)
+        # the snapshot is staged, across transactions and restarts: the table is still the old one
+        assert state_table(database, "snap") == {("t", "a"): 1, ("t", "b"): 2}
+        assert stats.state == "snapshot"
+        await append(client, s, [change("t", "d", 4), change("t", "c", 5, "update")])
+        await append(
+            client, s, [change("t", "d", operation="delete"), change("t", "e", 6), control("snapshot-end")]
+        )
+        await run_until_caught_up(server, sink)
+        assert state_table(database, "snap") == {("t", "c"): 5, ("t", "e"): 6}
+        await assert_state_is_fold(client, sink)
+        # reset in the middle of one answer: what came before it is gone, what follows stays
+        await append(client, s, [change("t", "f", 7), control("reset"), change("t", "g", 8)])
+        await run_until_caught_up(server, sink)
+        assert state_table(database, "snap") == {("t", "g"): 8}
+        await assert_state_is_fold(client, sink)
+        assert query(database, "SELECT count(*) FROM streamkeep_sync.snap_snapshot") == [(0,)]
+
+
+async def test_a_message_that_does_not_fit_stops_without_moving_the_offset(
+    server: str, database: str
+) -> None:
+    sink = mapping(database, "misfit")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(client, sink.stream, [change("t", "a", 1)])
+        await run_until_caught_up(server, sink)
+        before = stored_offset(database, "misfit")
+        await append(
+            client, sink.stream, [change("t", "b", 2), {"type": "t", "headers": {"operation": "insert"}}]
+        )
+        stats = MappingStats(sink.name, "stream_to_pg")
+        with trio.fail_after(10), pytest.raises(MappingStopped) as stopped:
+            await run(sink, client, stats)
+        assert "`key` is missing" in str(stopped.value) and "dead_letter" in str(stopped.value)
+        assert stored_offset(database, "misfit") == before
+        assert state_table(database, "misfit") == {("t", "a"): 1}  # nothing of that batch
+
+
+async def test_with_a_dead_letter_table_misfits_are_set_aside_and_the_rest_applied(
+    server: str, database: str
+) -> None:
+    sink = mapping(database, "dead", dead_letter="public.dead_letters")
+    logged = mapping(database, "deadlog", "log", columns={"n": "n"}, dead_letter="public.dead_letters")
+    bad = [{"headers": {"operation": "upsert"}, "type": "t", "key": "x"}, "text", {"type": "t", "key": "y"}]
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await create(client, logged.stream)
+        await append(client, sink.stream, [change("t", "a", 1), *bad, change("t", "b", 2)])
+        await append(client, logged.stream, [{"n": 1}, {"m": 2}, {"n": {"deep": True}}, {"n": None}])
+        await run_until_caught_up(server, sink)
+        await run_until_caught_up(server, logged)
+        assert state_table(database, "dead") == {("t", "a"): 1, ("t", "b"): 2}
+        rows = query(database, "SELECT mapping, message_index, message, error FROM dead_letters ORDER BY id")
+        assert [(m, i, msg) for m, i, msg, _ in rows] == [
+            ("dead", 1, bad[0]),
+            ("dead", 2, "text"),
+            ("dead", 3, bad[2]),
+            ("deadlog", 1, {"m": 2}),
+        ]
+        assert "no field 'n'" in rows[3][3]
+        # a text column takes any JSON (as its text), null is NULL
+        assert query(database, "SELECT n FROM deadlog ORDER BY message_index") == [
+            ("1",),
+            ('{"deep":true}',),
+            (None,),
+        ]
+
+
+async def test_typed_columns_of_a_table_made_by_hand_are_checked(server: str, database: str) -> None:
+    query_commit(
+        database,
+        "CREATE TABLE typed (stream text, stream_offset text, message_index int, message jsonb, n bigint, ok boolean)",
+    )
+    sink = mapping(database, "typed", "log", columns={"n": "n", "ok": "ok"}, dead_letter="public.typed_dead")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(
+            client,
+            sink.stream,
+            [{"n": 1, "ok": True}, {"n": "2", "ok": True}, {"n": 3, "ok": 1}, {"n": 4, "ok": False}],
+        )
+        await run_until_caught_up(server, sink)
+        assert query(database, "SELECT n, ok FROM typed ORDER BY message_index") == [(1, True), (4, False)]
+        errors = [r[0] for r in query(database, "SELECT error FROM typed_dead ORDER BY id")]
+        assert "bigint" in errors[0] and "boolean" in errors[1]
+
+
+async def test_a_paused_old_sink_moves_nothing(server: str, database: str) -> None:
+    """Fencing: a sink that read the stored offset before another one moved it (a paused process,
+    a second process) writes nothing: the compare-and-set on the offset's version fails first."""
+    sink = mapping(database, "fenced", "log")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(client, sink.stream, [{"n": 1}])
+        await run_until_caught_up(server, sink)
+        names = Names.of(sink)
+        with psycopg.connect(database) as conn:
+            now = offsets.load(conn, names)
+            stale = offsets.Stored(offsets.BEGINNING, now.version - 1)
+
+            def write(cur: psycopg.Cursor[Any]) -> None:
+                cur.execute("INSERT INTO fenced (stream, stream_offset, message_index) VALUES ('x', 'x', 0)")
+
+            with pytest.raises(offsets.Fenced):
+                commit.apply(conn, names, sink.stream, stale, offsets.Stored("elsewhere", 0), write, [])
+            assert offsets.load(conn, names) == now
+        await assert_log_is_stream(client, sink)
+
+
+async def test_two_sinks_on_one_mapping_apply_each_message_once(server: str, database: str) -> None:
+    sink = mapping(database, "twice", "log")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        one, two = MappingStats("twice", "stream_to_pg"), MappingStats("twice", "stream_to_pg")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.keep_running, sink, run, client, one)
+            nursery.start_soon(process.keep_running, sink, run, client, two)
+            for n in range(30):
+                await append(client, sink.stream, [{"n": n, "i": i} for i in range(20)])
+                await trio.sleep(0.01)
+            await wait_for(lambda: caught_up(client, sink))
+            nursery.cancel_scope.cancel()
+        await assert_log_is_stream(client, sink)
+        assert one.rows + two.rows == 600
+
+
+async def test_a_recreated_stream_stops_the_mapping_until_reset(server: str, database: str) -> None:
+    sink = mapping(database, "again")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(client, sink.stream, [change("t", "old", 1)])
+        await run_until_caught_up(server, sink)
+        await client.stream(sink.stream).delete()
+        await create(client, sink.stream)
+        await append(client, sink.stream, [change("t", "new", 2)])
+        with trio.fail_after(10), pytest.raises(MappingStopped) as stopped:
+            await run(sink, client, MappingStats(sink.name, "stream_to_pg"))
+        assert "410" in str(stopped.value) and "streamkeep sync reset again" in str(stopped.value)
+        assert state_table(database, "again") == {("t", "old"): 1}
+        said = await trio.to_thread.run_sync(reset, sink)
+        assert "again from its beginning" in said
+        await run_until_caught_up(server, sink)
+        assert state_table(database, "again") == {("t", "new"): 2}
+
+
+async def test_resync_follows_a_stream_deleted_and_created_again_while_it_runs(
+    server: str, database: str
+) -> None:
+    """404 while following: the sink waits for the stream; the new one answers 410 to the old
+    offset, and on_gone = "resync" rebuilds the table from it (cleared in the first batch's
+    transaction)."""
+    sink = mapping(database, "resync", on_gone="resync")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(client, sink.stream, [change("t", "old", 1), change("t", "both", 1)])
+        stats = MappingStats(sink.name, "stream_to_pg")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.keep_running, sink, run, client, stats)
+            await wait_for(lambda: caught_up(client, sink))
+            await client.stream(sink.stream).delete()
+            await trio.sleep(0.3)
+            await create(client, sink.stream)
+            await append(client, sink.stream, [change("t", "new", 2), change("t", "both", 2)])
+            await wait_for(lambda: caught_up(client, sink))
+            nursery.cancel_scope.cancel()
+        assert state_table(database, "resync") == {("t", "new"): 2, ("t", "both"): 2}
+        await assert_state_is_fold(client, sink)
+
+
+async def test_a_stream_not_created_yet_is_waited_for(server: str, database: str) -> None:
+    sink = mapping(database, "later", "log")
+    async with Client(server) as client:
+        stats = MappingStats(sink.name, "stream_to_pg")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.keep_running, sink, run, client, stats)
+            await trio.sleep(0.3)
+            assert stats.last_error and "waiting for it to be created" in stats.last_error
+            await create(client, sink.stream)
+            await append(client, sink.stream, [{"n": 1}])
+            await wait_for(lambda: caught_up(client, sink))
+            nursery.cancel_scope.cancel()
+        await assert_log_is_stream(client, sink)
+
+
+async def test_the_sinks_transactions_carry_its_replication_origin(server: str, database: str) -> None:
+    """No echo: a logical decoder that keeps only local changes (test_decoding's only-local, as
+    the source keeps only transactions without the sink's origin) sees none of the sink's."""
+    slot = "sink_echo_" + database.rsplit("/", 1)[1][-30:]
+    sink = mapping(database, "echo")
+    query_commit(database, "SELECT pg_create_logical_replication_slot(%s, 'test_decoding')", slot)
+    try:
+        async with Client(server) as client:
+            await create(client, sink.stream)
+            await append(client, sink.stream, [change("t", "a", 1)])
+            await run_until_caught_up(server, sink)
+            query_commit(database, "INSERT INTO echo VALUES ('local', 'b', '2')")
+        changes = [
+            r[0]
+            for r in query(database, "SELECT data FROM pg_logical_slot_peek_changes(%s, NULL, NULL)", slot)
+        ]
+        local = [
+            r[0]
+            for r in query(
+                database,
+                "SELECT data FROM pg_logical_slot_peek_changes(%s, NULL, NULL, 'only-local', '1')",
+                slot,
+            )
+        ]
+        assert any("public.echo: INSERT" in c and "'a'" in c for c in changes)  # the sink's insert
+        assert not any("'a'" in c for c in local) and any("'local'" in c for c in local)
+        assert query(
+            database, "SELECT count(*) FROM pg_replication_origin WHERE roname = 'streamkeep_sync_echo'"
+        ) == [(1,)]
+    finally:
+        query_commit(database, "SELECT pg_drop_replication_slot(%s)", slot)

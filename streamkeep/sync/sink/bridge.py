@@ -106,13 +106,18 @@ class Sink:
         if start == offsets.BEGINNING and info.earliest_offset:
             start = info.earliest_offset
         send, receive = trio.open_memory_channel[reading.Item](4)
+        failure: Exception | None = None
+        ended: reading.Item = reading.Closed()
         async with trio.open_nursery() as nursery:
             live: LiveMode = "sse" if self.mapping.live == "sse" else "long-poll"
             nursery.start_soon(reading.read_into, self.stream, start, live, send)
             try:
                 ended, stored = await self.apply_all(receive, stored)
-            finally:
-                nursery.cancel_scope.cancel()
+            except Exception as error:  # raised below, outside the nursery: not in an ExceptionGroup
+                failure = error
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         if isinstance(ended, reading.Gone):
             await self.gone(ended.error, stored)
         elif isinstance(ended, reading.Failed):
