@@ -1,0 +1,175 @@
+"""Postgres -> stream through crashes: the bridge killed (SIGKILL, by its own crash points) before
+the append, after the append, and after the checkpoint; Postgres stopped `-m immediate` mid-stream;
+streamkeep killed and restarted on its disk. Each ends with the stream holding every committed
+transaction exactly once, in commit order.
+
+The bridge runs in a child process (a small runner around `source.run`, so a kill ends it the way
+a kill ends `streamkeep sync`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from ops import pgserver, serverproc
+from streamkeep.sync.config import PgToStream
+from streamkeep.sync.stats import MappingStats
+from tests import postgres as pg_fixtures
+from tests.test_sync_source import (
+    ITEMS,
+    execute,
+    fold,
+    in_thread,
+    live,
+    mapping_for,
+    snapshot_done,
+    stream_messages,
+    table_state,
+    wait_until,
+    with_bridge,
+)
+
+postgres = pg_fixtures.postgres
+database = pg_fixtures.database
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = """
+import json, sys, trio
+from streamkeep.client import Client
+from streamkeep.sync import source
+from streamkeep.sync.config import PgToStream
+from streamkeep.sync.stats import MappingStats
+spec = json.loads(sys.argv[1])
+mapping = PgToStream(**{**spec, "tables": tuple(spec["tables"])})
+async def main():
+    async with Client(sys.argv[2]) as client:
+        await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
+trio.run(main)
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[serverproc.ServerProcess]:
+    process = serverproc.start("--storage", "memory")
+    yield process
+    process.stop()
+
+
+def child(mapping: PgToStream, url: str, crash_at: str | None = None) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "STREAMKEEP_SYNC_CRASH_AT"}
+    if crash_at:
+        env["STREAMKEEP_SYNC_CRASH_AT"] = crash_at
+    return subprocess.Popen(
+        [sys.executable, "-c", RUNNER, json.dumps(dataclasses.asdict(mapping)), url],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def kill(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(10)
+
+
+def write(dsn: str, first: int, transactions: int, rows: int = 3) -> int:
+    """`transactions` transactions of `rows` inserts each, ids from `first`; returns the next id."""
+    for _ in range(transactions):
+        execute(
+            dsn, *(f"INSERT INTO items (id, name) VALUES ({first + i}, 'r{first + i}')" for i in range(rows))
+        )
+        first += rows
+    return first
+
+
+def wait_for_rows(url: str, stream: str, count: int, timeout: float = 15) -> list[dict[str, Any]]:
+    async def main() -> list[dict[str, Any]]:
+        return await wait_until(url, stream, lambda ms: len(live(ms)) >= count, timeout)
+
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("point", ["source.before_append", "source.after_append", "source.after_checkpoint"])
+def test_killed_at_each_crash_point(point: str, database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database, batch_rows=7)  # 3 transactions (9 rows) per batch
+    first = child(mapping, server.url)
+    trio.run(wait_until, server.url, mapping.stream, snapshot_done)
+    kill(first)
+    next_id = write(database, 1, 10)  # waiting in the slot: 4 batches
+    crashing = child(mapping, server.url, crash_at=f"{point}:2")  # the second batch
+    assert crashing.wait(20) == -signal.SIGKILL, crashing.stderr.read() if crashing.stderr else ""
+    after_crash = [key for _, key, _ in live(stream_messages(server.url, mapping.stream))]
+    # The first batch, and the second one where the kill came after its append: the restart
+    # rebuilds it from the slot and re-sends it under its seq (a duplicate the server drops).
+    assert len(after_crash) == (9 if point == "source.before_append" else 18)
+    restarted = child(mapping, server.url)
+    try:
+        wait_for_rows(server.url, mapping.stream, 30)
+        write(database, next_id, 5)
+        messages = wait_for_rows(server.url, mapping.stream, 45)
+    finally:
+        kill(restarted)
+    keys = [key for _, key, _ in live(messages)]
+    assert keys == [str(i) for i in range(1, 46)]
+    assert fold(messages) == table_state(database)
+
+
+def test_postgres_stopped_immediate_mid_stream(
+    database: str, postgres: pgserver.PostgresServer, server: serverproc.ServerProcess
+) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database, batch_rows=5)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(write, database, 1, 10)
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 3)
+        # A crash: no checkpoint, so the slot's confirmed position falls back and Postgres
+        # replays transactions the stream already holds; the bridge's checkpoint filters them.
+        await in_thread(postgres.stop, "immediate")
+        await in_thread(postgres.start)
+        await in_thread(write, database, 31, 10)
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 60, timeout=30)
+
+    stats = with_bridge(mapping, server.url, body)
+    messages = stream_messages(server.url, mapping.stream)
+    assert [key for _, key, _ in live(messages)] == [str(i) for i in range(1, 61)]
+    assert fold(messages) == table_state(database)
+    assert stats.retries >= 1
+
+
+def test_streamkeep_killed_and_restarted(database: str, tmp_path: Path) -> None:
+    port = pgserver.free_port()
+    args = ("--storage", "disk", "--data-dir", str(tmp_path / "data"), "--port", str(port))
+    streamkeep = serverproc.start(*args)
+    execute(database, *ITEMS)
+    mapping = mapping_for(database, batch_rows=5)
+    bridge = child(mapping, streamkeep.url)
+    try:
+        trio.run(wait_until, streamkeep.url, mapping.stream, snapshot_done)
+        next_id = write(database, 1, 5)
+        wait_for_rows(streamkeep.url, mapping.stream, 15)
+        streamkeep.stop(signal.SIGKILL)
+        next_id = write(database, next_id, 5)  # the bridge's appends fail while streamkeep is down
+        streamkeep = serverproc.start(*args)
+        # The runner has no retry loop (the sync process has): a failed bridge is started again,
+        # and one still retrying is killed wherever it is, one more crash.
+        kill(bridge)
+        bridge = child(mapping, streamkeep.url)
+        write(database, next_id, 5)
+        messages = wait_for_rows(streamkeep.url, mapping.stream, 45, timeout=30)
+    finally:
+        kill(bridge)
+        streamkeep.stop()
+    assert [key for _, key, _ in live(messages)] == [str(i) for i in range(1, 46)]
