@@ -7,6 +7,7 @@
     python -m ops.torture check HISTORY.jsonl    # judge a dumped history again
     python -m ops.torture sim --seed 7 [--seeds K] [--ops N] [--fsync ...] [--matrix --total-minutes M]
     python -m ops.torture all --total-minutes 30 [--cluster 2]  # both tiers: what `make torture` runs
+    python -m ops.torture sync --seed 7 --minutes 3   # `streamkeep sync` with Postgres (issue 25)
 
 Exit status 1 on any finding. `--matrix` cycles through fsync modes and disks (and the cold tier on
 and off) with increasing seeds until `--total-minutes` have passed: what `make torture` runs.
@@ -29,6 +30,7 @@ from ops.torture import cluster as cluster_tier
 from ops.torture import replicated as replicated_tier
 from ops.torture import sim as sim_tier
 from ops.torture import simthreads
+from ops.torture import syncbridge as sync_tier
 from ops.torture.blackbox import Options, format_summary, run
 from ops.torture.checker import check_history
 from ops.torture.history import History
@@ -83,6 +85,26 @@ def blackbox(args: argparse.Namespace) -> int:
                 break
         elif not args.until_failure and index + 1 >= args.seeds:
             break
+    if failed:
+        print("\nfailing runs:\n" + "\n".join(f"  {command}" for command in failed))
+        return 1
+    return 0
+
+
+def sync_bridge(args: argparse.Namespace) -> int:
+    failed = []
+    for index in range(args.seeds):
+        options = sync_tier.Options(
+            seed=args.seed + index, duration=args.duration if args.minutes is None else args.minutes * 60
+        )
+        print(f"== {options.replay()}", flush=True)
+        result = sync_tier.run(options, log=lambda line: print(line, flush=True))
+        print("counts: " + ", ".join(f"{k} {n}" for k, n in sorted(result.counts.items())), flush=True)
+        for finding in result.findings:
+            print(f"  - {finding}", flush=True)
+        print(f"findings: {len(result.findings)}", flush=True)
+        if result.findings:
+            failed.append(options.replay())
     if failed:
         print("\nfailing runs:\n" + "\n".join(f"  {command}" for command in failed))
         return 1
@@ -162,6 +184,14 @@ def main() -> int:
         + ")",
     )
     box.set_defaults(run=blackbox)
+    bridge = commands.add_parser(
+        "sync", help="`streamkeep sync` between real Postgres and streamkeep under seeded faults"
+    )
+    bridge.add_argument("--seed", type=int, default=1)
+    bridge.add_argument("--duration", type=float, default=120.0, help="seconds of workload per run")
+    bridge.add_argument("--minutes", type=float, default=None, help="minutes of workload (sets --duration)")
+    bridge.add_argument("--seeds", type=int, default=1, help="runs, with seeds seed, seed+1, ...")
+    bridge.set_defaults(run=sync_bridge)
     checking = commands.add_parser("check", help="judge a dumped history again")
     checking.add_argument("history")
     checking.set_defaults(run=check)

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from streamkeep.client import Client
+from streamkeep.client import Client, StreamError
 from streamkeep.sync.config import PgToStream, StreamToPg, SyncConfig
 from streamkeep.sync.listener import Pages, serve
 from streamkeep.sync.stats import MappingStats, MappingStopped
@@ -52,6 +52,21 @@ def _stopped(error: BaseException) -> MappingStopped | None:
     return None
 
 
+def _expected(error: BaseException) -> bool:
+    """A failure the bridge expects in life (a server or Postgres away, a fenced bridge): its one
+    line says enough. Anything else gets its traceback once, as a bug would need."""
+    if isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        return _expected(error.exceptions[0])
+    if isinstance(error, OSError | StreamError):
+        return True
+    kind = type(error)
+    if kind.__module__.startswith("streamkeep.sync."):
+        return True
+    import psycopg  # loaded already by any mapping that raised a psycopg error
+
+    return isinstance(error, psycopg.OperationalError)
+
+
 def _cause(error: BaseException) -> str:
     """A failure's cause for 'log once per cause': its type and the start of its message."""
     if isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
@@ -83,7 +98,7 @@ async def keep_running(
                     "sync %s: %s; retrying with backoff (logged once per cause; /healthz shows the last error)",
                     mapping.name,
                     cause,
-                    exc_info=not isinstance(error, OSError | ConnectionError),
+                    exc_info=not _expected(error),
                 )
         if stats.batches > batches_before:
             backoff = FIRST_BACKOFF  # it made progress: the trouble was new, start the backoff over
