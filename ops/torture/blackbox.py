@@ -254,7 +254,11 @@ class Run:
             self.in_flight += 1
         try:
             started = self.history.start(planned.op, worker, planned.name, planned.params, planned.call)
-            outcome = transport.send(planned.call)
+            op = REGISTRY.get(planned.op)
+            if op is not None and op.driven:  # a real client's session (operations/client.py)
+                outcome = op.drive(self.history, transport.base_url, worker, planned)
+            else:
+                outcome = transport.send(planned.call)
             self.history.end(started, outcome)
         finally:
             with self.counter_lock:

@@ -333,7 +333,8 @@ class ClusterRun(Run):
     def worker(self, number: int) -> None:
         name = f"w{number}"
         ctx = GenContext(name, random.Random(f"{self.options.seed}/worker/{number}"), self.view)
-        kinds = [k for k, op in REGISTRY.items() if op.weight > 0 and k not in EXCLUDED]
+        # The real client's sessions (op.driven) run in the single-server black box only so far.
+        kinds = [k for k, op in REGISTRY.items() if op.weight > 0 and k not in EXCLUDED and not op.driven]
         weights = [REGISTRY[k].weight for k in kinds]
         transport = FrontDoor(self)
         try:

@@ -73,8 +73,10 @@ from streamkeep.storage.disk.storage import DiskStorage
 ROOT = Path("/data")
 OP_TIMEOUT = 120.0  # mock seconds; an operation taking longer is a hang, and a finding
 # The black box's operations, less those that need a real network or process (subscriptions with
-# their webhook receiver, descriptor probes of /proc).
-KINDS = [kind for kind, op in REGISTRY.items() if op.weight > 0 and not kind.startswith("sub_")]
+# their webhook receiver, descriptor probes of /proc, the real client's sessions).
+KINDS = [
+    kind for kind, op in REGISTRY.items() if op.weight > 0 and not kind.startswith("sub_") and not op.driven
+]
 
 
 @dataclass

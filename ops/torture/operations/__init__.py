@@ -32,7 +32,16 @@ A tier drives it like this (ops/torture/blackbox.py is one driver):
     checker.finish(); checker.summary()
 """
 
-from ops.torture.operations import cluster, probes, reads, registry, replication, streams, subscriptions
+from ops.torture.operations import (
+    client,
+    cluster,
+    probes,
+    reads,
+    registry,
+    replication,
+    streams,
+    subscriptions,
+)
 from ops.torture.operations.base import REGISTRY, ClientView, GenContext, Operation, Planned, all_names
 
 __all__ = [
@@ -42,6 +51,7 @@ __all__ = [
     "Operation",
     "Planned",
     "all_names",
+    "client",
     "cluster",
     "probes",
     "reads",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ops.torture import payloads
-from ops.torture.history import OK, Call, OpEnded, OpStarted, Outcome, to_bytes
+from ops.torture.history import OK, Call, History, OpEnded, OpStarted, Outcome, to_bytes
 from ops.torture.model import Incarnation, Model, SentAppend, State, parse_token
 
 PREFIX = "/v1/stream/"
@@ -141,9 +141,17 @@ class Operation:
     # Changes a name's state (create, fork, close, delete): judged as soon as it ends, before the
     # operations that overlapped it. Drivers never run two mutators of one name at once.
     mutator = False
+    # Run by a real client library (ops/torture/operations/client.py) rather than sent as one
+    # `Call`: the tier calls `drive`, which records the client's own requests as operations of
+    # their own. Only the single-server black box drives them (it has a real network).
+    driven = False
 
     def generate(self, ctx: GenContext) -> Planned | None:
         return None
+
+    def drive(self, history: History, base_url: str, worker: str, planned: Planned) -> Outcome:
+        """A driven operation's run (see `driven`): what came of it, as one outcome."""
+        raise NotImplementedError(self.kind)
 
     def after(self, ctx: GenContext, planned: Planned, outcome: Outcome) -> None:
         pass
