@@ -71,7 +71,7 @@ def execute(dsn: str, *statements: str, origin: str | None = None) -> None:
             conn.execute("SELECT pg_replication_origin_session_setup(%s)", (origin,))
         with conn.transaction():
             for statement in statements:
-                conn.execute(statement)  # type: ignore[arg-type]
+                conn.execute(statement)
 
 
 def stream_messages(url: str, stream: str) -> list[dict[str, Any]]:
@@ -131,12 +131,16 @@ async def in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 async def wait_until(
     url: str, stream: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 15
 ) -> list[dict[str, Any]]:
-    with trio.fail_after(timeout):
-        while True:
-            messages = await in_thread(stream_messages, url, stream)
-            if done(messages):
-                return messages
-            await trio.sleep(0.05)
+    async with Client(url) as client:
+        handle = client.stream(stream)
+        with trio.fail_after(timeout):
+            while True:
+                messages: list[dict[str, Any]] = []
+                if await handle.exists():
+                    messages = [m for batch in await handle.read_all() for m in batch.messages or []]
+                if done(messages):
+                    return messages
+                await trio.sleep(0.05)
 
 
 async def keep_running(mapping: PgToStream, url: str, stats: MappingStats) -> None:
@@ -154,7 +158,7 @@ async def keep_running(mapping: PgToStream, url: str, stats: MappingStats) -> No
 
 
 def with_bridge(
-    mapping: PgToStream, url: str, body: Callable[[MappingStats], Awaitable[None]]
+    mapping: PgToStream, url: str, body: Callable[[MappingStats], Awaitable[Any]]
 ) -> MappingStats:
     stats = MappingStats(mapping.name, "pg_to_stream")
 
@@ -164,7 +168,12 @@ def with_bridge(
             await body(stats)
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as group:  # the nursery's: one failure, raised as itself
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     return stats
 
 
@@ -445,3 +454,87 @@ def test_dropped_table_stops_the_mapping(database: str, server: serverproc.Serve
 
     with pytest.raises(MappingStopped, match=f"streamkeep sync reset {mapping.name}"):
         trio.run(main)
+
+
+def test_changed_primary_key_stops_the_mapping(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database)
+    change_key = (
+        "ALTER TABLE items DROP CONSTRAINT items_pkey",
+        "ALTER TABLE items ADD PRIMARY KEY (id, qty)",
+    )
+
+    async def running(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, *change_key)
+        await in_thread(execute, database, "INSERT INTO items (id, qty) VALUES (1, 1)")
+        await trio.sleep(10)  # the bridge stops first
+
+    with pytest.raises(MappingStopped, match=f"streamkeep sync reset {mapping.name}"):
+        with_bridge(mapping, server.url, running)
+    assert live(stream_messages(server.url, mapping.stream)) == []
+
+    # Changed while no bridge ran: the checkpoint remembers the key the stream was made with.
+    other = mapping_for(database, name=unique("k"))
+    execute(
+        database, "ALTER TABLE items DROP CONSTRAINT items_pkey", "ALTER TABLE items ADD PRIMARY KEY (id)"
+    )
+    with_bridge(other, server.url, lambda stats: wait_until(server.url, other.stream, snapshot_done))
+    execute(database, *change_key)
+
+    async def restarted() -> None:
+        async with Client(server.url) as client:
+            await source.run(other, client, MappingStats(other.name, "pg_to_stream"))
+
+    with pytest.raises(MappingStopped, match="primary keys changed"):
+        trio.run(restarted)
+
+
+def test_deleted_stream_stops_the_mapping(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS)
+    mapping = mapping_for(database)
+    with_bridge(mapping, server.url, lambda stats: wait_until(server.url, mapping.stream, snapshot_done))
+    with BlockingClient(server.url) as client:
+        client.stream(mapping.stream).delete()
+
+    async def restarted() -> None:
+        async with Client(server.url) as client:
+            await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
+
+    with pytest.raises(MappingStopped, match="was deleted"):
+        trio.run(restarted)
+    source.reset(mapping)
+    execute(database, "INSERT INTO items (id) VALUES (1)")
+    with_bridge(mapping, server.url, lambda stats: wait_until(server.url, mapping.stream, snapshot_done))
+    messages = stream_messages(server.url, mapping.stream)
+    assert fold(messages) == table_state(database)
+
+
+def test_invalidated_slot_stops_the_mapping(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS, "CREATE TABLE other (id int)")
+    mapping = mapping_for(database)
+    with_bridge(mapping, server.url, lambda stats: wait_until(server.url, mapping.stream, snapshot_done))
+    with psycopg.connect(database, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
+        conn.execute("SELECT pg_reload_conf()")
+        try:
+            for _ in range(40):  # WAL past the slot's allowance, recycled at a checkpoint
+                conn.execute("INSERT INTO other SELECT generate_series(1, 2000)")
+                conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+                row = conn.execute(
+                    "SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (mapping.slot,)
+                ).fetchone()
+                if row and row[0] == "lost":
+                    break
+            assert row and row[0] == "lost"
+        finally:
+            conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+            conn.execute("SELECT pg_reload_conf()")
+
+    async def restarted() -> None:
+        async with Client(server.url) as client:
+            await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
+
+    with pytest.raises(MappingStopped, match="invalidated"):
+        trio.run(restarted)

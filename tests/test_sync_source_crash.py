@@ -27,6 +27,7 @@ from streamkeep.sync.stats import MappingStats
 from tests import postgres as pg_fixtures
 from tests.test_sync_source import (
     ITEMS,
+    changes,
     execute,
     fold,
     in_thread,
@@ -103,9 +104,7 @@ def wait_for_rows(url: str, stream: str, count: int, timeout: float = 15) -> lis
 def test_killed_at_each_crash_point(point: str, database: str, server: serverproc.ServerProcess) -> None:
     execute(database, *ITEMS)
     mapping = mapping_for(database, batch_rows=7)  # 3 transactions (9 rows) per batch
-    first = child(mapping, server.url)
-    trio.run(wait_until, server.url, mapping.stream, snapshot_done)
-    kill(first)
+    with_bridge(mapping, server.url, lambda stats: wait_until(server.url, mapping.stream, snapshot_done))
     next_id = write(database, 1, 10)  # waiting in the slot: 4 batches
     crashing = child(mapping, server.url, crash_at=f"{point}:2")  # the second batch
     assert crashing.wait(20) == -signal.SIGKILL, crashing.stderr.read() if crashing.stderr else ""
@@ -173,3 +172,27 @@ def test_streamkeep_killed_and_restarted(database: str, tmp_path: Path) -> None:
         kill(bridge)
         streamkeep.stop()
     assert [key for _, key, _ in live(messages)] == [str(i) for i in range(1, 46)]
+
+
+def test_killed_mid_snapshot_starts_it_over_behind_a_reset(
+    database: str, server: serverproc.ServerProcess
+) -> None:
+    execute(database, *ITEMS)
+    write(database, 1, 1, rows=40)
+    mapping = mapping_for(database, batch_rows=10)
+    crashing = child(mapping, server.url, crash_at="source.snapshot_append:2")
+    assert crashing.wait(20) == -signal.SIGKILL
+    partial = live(stream_messages(server.url, mapping.stream))
+    assert partial[0] == ("control", "snapshot-start", None) and len(partial) == 21  # 2 batches
+    write(database, 41, 1)  # in the new snapshot
+    restarted = child(mapping, server.url)
+    try:
+        trio.run(wait_until, server.url, mapping.stream, snapshot_done)
+        write(database, 44, 1)
+        messages = wait_for_rows(server.url, mapping.stream, 3)
+    finally:
+        kill(restarted)
+    assert [key for _, key, _ in live(messages)] == ["44", "45", "46"]
+    controls = [name for op, name, _ in changes(messages) if op == "control"]
+    assert controls == ["snapshot-start", "reset", "snapshot-start", "snapshot-end"]
+    assert fold(messages) == table_state(database)

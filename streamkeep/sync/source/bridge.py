@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import psycopg
 import trio
 
-from streamkeep.client import Client, SequenceConflict, Stream, StreamExists, StreamNotFound
+from streamkeep.client import Client, PayloadTooLarge, SequenceConflict, Stream, StreamExists, StreamNotFound
 from streamkeep.sync.config import PgToStream
 from streamkeep.sync.crashpoints import crash_point
 from streamkeep.sync.source import catalog, encode
@@ -59,7 +59,9 @@ class BridgeBusy(Exception):
 
 
 async def blocking(fn: Callable[..., T], *args: Any) -> T:
-    return await trio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
+    """A blocking Postgres call in a worker thread. Not abandoned on cancel: closing a psycopg
+    connection while its thread still uses it is not safe, and these calls are short."""
+    return await trio.to_thread.run_sync(lambda: fn(*args))
 
 
 @dataclass
@@ -104,7 +106,9 @@ class Bridge:
 
     async def run(self) -> None:
         m = self.mapping
-        self.control = await blocking(lambda: psycopg.connect(m.dsn, autocommit=True))
+        self.control = await trio.to_thread.run_sync(
+            lambda: psycopg.connect(m.dsn, autocommit=True), abandon_on_cancel=True
+        )
         store = self.store
         if not await blocking(store.try_lock, m.slot):
             raise BridgeBusy(f"mapping {m.name}: another bridge holds slot {m.slot} (advisory lock); waiting")
@@ -134,6 +138,17 @@ class Bridge:
                 )
             if slot.active_pid is not None:
                 raise BridgeBusy(f"mapping {m.name}: slot {m.slot} is in use by backend {slot.active_pid}")
+            if created:
+                raise MappingStopped(
+                    f"mapping {m.name}: stream {m.stream} was deleted since the checkpoint (created again "
+                    f"now, empty); {reset_hint(m.name)}"
+                )
+            keys = {name: list(table.primary_key) for name, table in tables.items()}
+            if previous.keys and previous.keys != keys:
+                raise MappingStopped(
+                    f"mapping {m.name}: primary keys changed since the snapshot (were {previous.keys}, now "
+                    f"{keys}); {reset_hint(m.name)}"
+                )
             self.checkpoint = await blocking(store.claim, previous, previous)
             assert previous.appended_lsn is not None
             start = previous.appended_lsn
@@ -183,10 +198,11 @@ class Bridge:
             if slot.active_pid is not None:
                 raise BridgeBusy(f"mapping {m.name}: slot {m.slot} is in use by backend {slot.active_pid}")
             await blocking(catalog.drop_slot, self.control, m.slot)
+        keys = {name: list(table.primary_key) for name, table in tables.items()}
         if previous is None:
-            fresh = Checkpoint(new_producer_id(m.name), 0, 0, None, None, 0)
+            fresh = Checkpoint(new_producer_id(m.name), 0, 0, None, None, 0, keys)
         else:
-            fresh = Checkpoint(previous.producer_id, previous.epoch + 1, 0, None, None, 0)
+            fresh = Checkpoint(previous.producer_id, previous.epoch + 1, 0, None, None, 0, keys)
         self.checkpoint = await blocking(self.store.claim, previous, fresh)
         self.stats.state = "snapshot"
         self.replication = await ReplicationConnection.open(m.dsn)
@@ -221,6 +237,7 @@ class Bridge:
         new epoch), only the seq moves on."""
         assert self.checkpoint is not None
         await self._append(messages, self.checkpoint.next_seq)
+        crash_point("source.snapshot_append")
         self.checkpoint = replace(self.checkpoint, next_seq=self.checkpoint.next_seq + 1)
         self.stats.progressed(sum(1 for m in messages if "type" in m), self.stats.position)
         self.stats.state = "snapshot"
@@ -235,6 +252,12 @@ class Bridge:
         }
         try:
             await self.stream.post(encode.payload(messages), headers)
+        except PayloadTooLarge as error:
+            raise MappingStopped(
+                f"mapping {self.mapping.name}: a batch of {len(messages)} messages is over the server's body "
+                f"limit; raise the server's --max-body-bytes (a pending batch is re-sent whole) or lower "
+                f"batch_rows for the batches after it"
+            ) from error
         except (SequenceConflict, StreamNotFound) as error:
             # The server no longer has this producer's history (the stream was deleted or
             # re-created): what the stream holds is unknown, a fresh snapshot is the way back.

@@ -14,8 +14,9 @@ new bridge took over) can no longer move the checkpoint, backwards or forwards."
 
 from __future__ import annotations
 
+import json
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import psycopg
 from psycopg import sql
@@ -41,6 +42,9 @@ class Checkpoint:
     appended_lsn: int | None  # None: the snapshot is not finished (a restart starts it over)
     pending: Pending | None
     generation: int
+    # Each table's primary key columns when the snapshot was taken: a key changed since (even
+    # while no bridge ran) changes what `key` means on the stream, so it stops the mapping.
+    keys: dict[str, list[str]] = field(default_factory=dict)
 
     def with_pending(self, end_lsn: int) -> Checkpoint:
         return replace(self, pending=Pending(self.next_seq, end_lsn))
@@ -96,6 +100,7 @@ class CheckpointStore:
                     pending_seq bigint,
                     pending_end_lsn pg_lsn,
                     generation bigint NOT NULL,
+                    keys jsonb NOT NULL DEFAULT '{{}}',
                     updated_at timestamptz NOT NULL DEFAULT now()
                 )"""
             ).format(self.table),
@@ -109,13 +114,13 @@ class CheckpointStore:
         row = self.conn.execute(
             sql.SQL(
                 "SELECT producer_id, epoch, next_seq, appended_lsn::text, pending_seq,"
-                " pending_end_lsn::text, generation FROM {} WHERE name = %s"
+                " pending_end_lsn::text, generation, keys::text FROM {} WHERE name = %s"
             ).format(self.table),
             (self.name,),
         ).fetchone()
         if row is None:
             return None
-        producer_id, epoch, next_seq, appended, pending_seq, pending_end, generation = row
+        producer_id, epoch, next_seq, appended, pending_seq, pending_end, generation, keys = row
         pending = None
         if pending_seq is not None and pending_end is not None:
             pending = Pending(int(str(pending_seq)), lsn_parse(str(pending_end)))
@@ -126,6 +131,7 @@ class CheckpointStore:
             appended_lsn=None if appended is None else lsn_parse(str(appended)),
             pending=pending,
             generation=int(str(generation)),
+            keys=json.loads(str(keys)),
         )
 
     def claim(self, previous: Checkpoint | None, fresh: Checkpoint) -> Checkpoint:
@@ -136,7 +142,8 @@ class CheckpointStore:
             cursor = self.conn.execute(
                 sql.SQL(
                     "INSERT INTO {} (name, producer_id, epoch, next_seq, appended_lsn, pending_seq,"
-                    " pending_end_lsn, generation) VALUES (%s, %s, %s, %s, %s::pg_lsn, %s, %s::pg_lsn, %s)"
+                    " pending_end_lsn, keys, generation)"
+                    " VALUES (%s, %s, %s, %s, %s::pg_lsn, %s, %s::pg_lsn, %s::jsonb, %s)"
                     " ON CONFLICT (name) DO NOTHING"
                 ).format(self.table),
                 (self.name, *self._fields(claimed), claimed.generation),
@@ -168,13 +175,15 @@ class CheckpointStore:
             None if c.appended_lsn is None else lsn_text(c.appended_lsn),
             None if c.pending is None else c.pending.seq,
             None if c.pending is None else lsn_text(c.pending.end_lsn),
+            json.dumps(c.keys),
         )
 
     def _update(self, c: Checkpoint, expect: int) -> None:
         cursor = self.conn.execute(
             sql.SQL(
                 "UPDATE {} SET producer_id = %s, epoch = %s, next_seq = %s, appended_lsn = %s::pg_lsn,"
-                " pending_seq = %s, pending_end_lsn = %s::pg_lsn, generation = %s, updated_at = now()"
+                " pending_seq = %s, pending_end_lsn = %s::pg_lsn, keys = %s::jsonb, generation = %s,"
+                " updated_at = now()"
                 " WHERE name = %s AND generation = %s"
             ).format(self.table),
             (*self._fields(c), c.generation, self.name, expect),

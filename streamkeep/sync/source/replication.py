@@ -83,7 +83,8 @@ class ReplicationConnection:
                 for row in range(result.ntuples)
             ]
 
-        return await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+        # Not abandoned on cancel: `close` must not finish the connection under a running call.
+        return await trio.to_thread.run_sync(run)
 
     async def create_slot(self, slot: str, export_snapshot: bool) -> SlotCreated:
         how = "EXPORT_SNAPSHOT" if export_snapshot else "NOEXPORT_SNAPSHOT"
