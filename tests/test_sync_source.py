@@ -368,11 +368,16 @@ def test_sink_origin_transactions_are_skipped(database: str, server: serverproc.
         await in_thread(execute, database, "INSERT INTO items (id) VALUES (1)")
         await in_thread(execute, database, "INSERT INTO items (id) VALUES (2)", origin="streamkeep_sync")
         await in_thread(execute, database, "INSERT INTO items (id) VALUES (3)")
-        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 2)
+        await in_thread(
+            execute, database, "INSERT INTO items (id) VALUES (4)", origin="streamkeep_sync_sessions"
+        )
+        await in_thread(execute, database, "INSERT INTO items (id) VALUES (5)", origin="elsewhere")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 3)
         await trio.sleep(0.2)
 
     with_bridge(mapping, server.url, body)
-    assert [key for _, key, _ in live(stream_messages(server.url, mapping.stream))] == ["1", "3"]
+    # The sink's origins (the shared name, or one per sink mapping) are skipped; others are not.
+    assert [key for _, key, _ in live(stream_messages(server.url, mapping.stream))] == ["1", "3", "5"]
 
 
 def slot_confirmed(dsn: str, slot: str) -> int:

@@ -47,7 +47,15 @@ from streamkeep.sync.source.snapshot import SnapshotReader
 from streamkeep.sync.stats import MappingStats, MappingStopped
 
 log = logging.getLogger("streamkeep.sync.source")
-SINK_ORIGIN = "streamkeep_sync"  # the sink's replication origin (AGREEMENT): its transactions never echo
+# The sink's replication origins: `streamkeep_sync`, or `streamkeep_sync_<mapping>` (one per sink
+# mapping: Postgres 15 lets one session at a time set up an origin). Their transactions never echo.
+SINK_ORIGIN = "streamkeep_sync"
+
+
+def is_sink_origin(name: str) -> bool:
+    return name == SINK_ORIGIN or name.startswith(SINK_ORIGIN + "_")
+
+
 STATUS_EVERY = 10.0  # seconds between standby status updates when nothing else sends one
 TABLE_CHECK_EVERY = 5.0  # seconds between checks that the tables still exist, while idle
 T = TypeVar("T")
@@ -310,7 +318,7 @@ class Bridge:
             if isinstance(message, Begin):
                 transaction = Transaction(message.xid, message.commit_time)
             elif isinstance(message, Origin):
-                if transaction is not None and message.name == SINK_ORIGIN:
+                if transaction is not None and is_sink_origin(message.name):
                     transaction.skip = True
             elif isinstance(message, Relation):
                 key = None
