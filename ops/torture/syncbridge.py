@@ -50,6 +50,7 @@ import httpx
 from ops import pgserver, serverproc
 
 CRASH_POINTS = (
+    "source.snapshot_append",  # fires only while a snapshot is copied (the first start)
     "source.before_append",
     "source.after_append",
     "source.after_checkpoint",

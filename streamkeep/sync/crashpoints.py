@@ -4,6 +4,7 @@ with no cleanup, no flushed buffers and no goodbye to Postgres or streamkeep.
 
 The names say where a crash is worth proving: `source.before_append`, `source.after_append`
 (appended, checkpoint not yet moved), `source.after_checkpoint` (slot not yet confirmed),
+`source.snapshot_append` (after each batch of the snapshot: it starts over behind a `reset`),
 `sink.before_commit`, `sink.after_commit`."""
 
 from __future__ import annotations
