@@ -43,6 +43,7 @@ SCENARIOS: dict[str, tuple[Scenario, bool, bool]] = {
     "round-trip": (scenarios.round_trip, True, False),
     "throughput": (scenarios.throughput, True, False),
     "producers": (scenarios.producers, False, False),
+    "client-producer": (scenarios.client_producer, False, False),
     "big-appends": (scenarios.big_appends, False, False),
     "catch-up": (scenarios.catch_up, False, False),
     "cardinality": (scenarios.cardinality, False, False),

@@ -194,6 +194,71 @@ def producers(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]
     ]
 
 
+CLIENT_PRODUCERS = 4
+CLIENT_MESSAGE = b"m" * 100
+
+
+def client_producer(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
+    """The project's own client (streamkeep.client, issue 24): one IdempotentProducer per stream,
+    batching on, appending 100 B messages as fast as it takes them. Not a load generator like the
+    socket loops (it runs in this process and measures itself too): the row says what an
+    application using the client gets from each server. ops/bench_client.py sets it beside h2load
+    and the PyPI client on streamkeep alone.
+
+    HTTP/1.1 only: over h2c, pipelined batches whose bodies together pass the 64 KiB window stall
+    in httpcore until the read timeout (concurrent uploads on one HTTP/2 connection: a raw httpx
+    loop of 5 concurrent 100 KB POSTs times out against both of streamkeep's edges; upstream,
+    pydantic/httpx2 issue 1133), so an h2c row would measure that stall (1,299 messages/s against
+    131,360 over HTTP/1.1, streamkeep memory, 2026-11-26)."""
+    import asyncio
+
+    rows = []
+    for protocol, h2 in protocols(False):
+        paths = create(server, CLIENT_PRODUCERS, f"client-producer-{protocol}", "application/octet-stream")
+        before = cpu_seconds(server.process.pid)
+        started = time.monotonic()
+        acked = asyncio.run(_client_producers(server.url, paths, settings.seconds, h2))
+        elapsed = time.monotonic() - started
+        used = cpu_seconds(server.process.pid) - before
+        rows.append(
+            Row(
+                f"streamkeep.client producers, {CLIENT_PRODUCERS} streams, 100 B messages (messages/s)",
+                protocol,
+                acked / elapsed,
+                "/s",
+                used / max(acked, 1) * 1e6,
+            )
+        )
+    return rows
+
+
+async def _client_producers(url: str, paths: list[str], seconds: float, http2: bool) -> int:
+    """Messages acknowledged: every producer appends until the time is up, then flushes (a failed
+    batch raises: a scenario that lost messages must not report them)."""
+    import asyncio
+
+    from streamkeep.client import Client
+
+    async def one(path: str) -> int:
+        sent = 0
+        async with Client(url, http2=http2) as client:
+            stream = client.stream(path, content_type="application/octet-stream")
+            async with stream.producer(f"load-{path.rsplit('/', 1)[-1]}", linger=0.005) as producer:
+                ends = time.monotonic() + seconds
+                while time.monotonic() < ends:
+                    for _ in range(1000):
+                        producer.append(CLIENT_MESSAGE)
+                    sent += 1000
+                    if sent % 20_000 == 0:  # appends outrun any server: keep the backlog small
+                        await producer.flush()
+                    else:
+                        await asyncio.sleep(0)
+                await producer.flush()
+        return sent
+
+    return sum(await asyncio.gather(*(one(path) for path in paths)))
+
+
 def catch_up(server: ServerProcess, settings: Settings, h2c: bool) -> list[Row]:
     mib = 10 if settings.quick else 50
     [path] = create(server, 1, "catchup", "application/octet-stream")
