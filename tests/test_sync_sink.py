@@ -15,6 +15,7 @@ from ops import serverproc
 from streamkeep.client import Client
 from streamkeep.sync import process
 from streamkeep.sync.sink import commit, offsets, reset, run
+from streamkeep.sync.sink.batch import Outcome
 from streamkeep.sync.sink.names import Names
 from streamkeep.sync.stats import MappingStats, MappingStopped
 from tests import postgres as pg_fixtures
@@ -137,18 +138,33 @@ async def test_with_a_dead_letter_table_misfits_are_set_aside_and_the_rest_appli
         await create(client, sink.stream)
         await create(client, logged.stream)
         await append(client, sink.stream, [change("t", "a", 1), *bad, change("t", "b", 2)])
+        await run_until_caught_up(server, sink)
+        # with a control message the answer takes the other path (state.py): misfits the same
+        await append(
+            client, sink.stream, [change("t", "c", 3), {"headers": {"control": "pause"}}, control("reset")]
+        )
+        await append(client, sink.stream, [change("t", "d", 4), ["not", "an", "object"]])
         await append(client, logged.stream, [{"n": 1}, {"m": 2}, {"n": {"deep": True}}, {"n": None}])
         await run_until_caught_up(server, sink)
         await run_until_caught_up(server, logged)
-        assert state_table(database, "dead") == {("t", "a"): 1, ("t", "b"): 2}
+        assert state_table(database, "dead") == {("t", "d"): 4}
         rows = query(database, "SELECT mapping, message_index, message, error FROM dead_letters ORDER BY id")
         assert [(m, i, msg) for m, i, msg, _ in rows] == [
             ("dead", 1, bad[0]),
             ("dead", 2, "text"),
             ("dead", 3, bad[2]),
+            ("dead", 1, {"headers": {"control": "pause"}}),
+            ("dead", 4, ["not", "an", "object"]),
             ("deadlog", 1, {"m": 2}),
         ]
-        assert "no field 'n'" in rows[3][3]
+        assert [r[3] for r in rows[:5]] == [
+            'headers.operation "upsert" is not insert, update or delete',
+            "not a JSON object",
+            "`headers` is missing or not an object",
+            'headers.control "pause" is not one of snapshot-start, snapshot-end, reset',
+            "not a JSON object",
+        ]
+        assert "no field 'n'" in rows[5][3]
         # a text column takes any JSON (as its text), null is NULL
         assert query(database, "SELECT n FROM deadlog ORDER BY message_index") == [
             ("1",),
@@ -189,11 +205,12 @@ async def test_a_paused_old_sink_moves_nothing(server: str, database: str) -> No
             now = offsets.load(conn, names)
             stale = offsets.Stored(offsets.BEGINNING, now.version - 1)
 
-            def write(cur: psycopg.Cursor[Any]) -> None:
+            def write(cur: psycopg.Cursor[Any]) -> Outcome:
                 cur.execute("INSERT INTO fenced (stream, stream_offset, message_index) VALUES ('x', 'x', 0)")
+                return Outcome(1, False, [])
 
             with pytest.raises(offsets.Fenced):
-                commit.apply(conn, names, sink.stream, stale, offsets.Stored("elsewhere", 0), write, [])
+                commit.apply(conn, names, sink.stream, stale, "elsewhere", write)
             assert offsets.load(conn, names) == now
         await assert_log_is_stream(client, sink)
 

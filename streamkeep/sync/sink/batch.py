@@ -48,6 +48,16 @@ class Misfit:
         )
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a transaction's write did."""
+
+    applied: int  # messages applied (state mode: controls included), misfits not
+    in_snapshot: bool  # state mode: a snapshot is being staged after this transaction
+    misfits: list[Misfit]
+
+
 def dumps(value: Any) -> str:
-    """JSON text for a jsonb column (compact: COPY sends less)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """JSON text for a jsonb column. json.dumps with no options: it reuses one C encoder, about
+    twice as fast as passing separators (a new encoder per call), and Postgres parses it anyway."""
+    return json.dumps(value)

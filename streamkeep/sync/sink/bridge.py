@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 import trio
@@ -21,12 +22,13 @@ from streamkeep.client import Batch, Client, LiveMode, Stream, StreamGone, Strea
 from streamkeep.client.reader import is_json_type
 from streamkeep.sync.config import StreamToPg
 from streamkeep.sync.sink import commit, log, offsets, reading, state, tables
-from streamkeep.sync.sink.batch import Misfit, Part
+from streamkeep.sync.sink.batch import Misfit, Outcome, Part
 from streamkeep.sync.sink.names import Names
 from streamkeep.sync.sink.offsets import Stored
 from streamkeep.sync.stats import MappingStats, MappingStopped
 
-MAX_MESSAGES = 50_000  # per transaction, when answers queue up
+MAX_MESSAGES = 50_000  # per transaction, when answers queue up ...
+MAX_BYTES = 16 << 20  # ... or this many bytes of them
 WAIT_FOR_STREAM = 1.0  # seconds between HEADs while the stream does not exist
 LAG_CHECK = 1.0  # seconds between HEADs for lag_bytes while behind
 _OFFSET = re.compile(r"([0-9]{16})_([0-9]{16})")
@@ -81,9 +83,9 @@ class Sink:
             ) from error
         offsets.create(self.conn, names, mapping.stream)
         tables.create_dead_letter(self.conn, names)
-        tables.create_session_rows(self.conn)
         if mapping.mode == "state":
             tables.create_state(self.conn, names)
+            state.create_session_table(self.conn)
             return
         try:
             self.log_columns = tables.create_log(self.conn, names, mapping, json_stream)
@@ -109,8 +111,12 @@ class Sink:
         failure: Exception | None = None
         ended: reading.Item = reading.Closed()
         async with trio.open_nursery() as nursery:
-            live: LiveMode = "sse" if self.mapping.live == "sse" else "long-poll"
-            nursery.start_soon(reading.read_into, self.stream, start, live, send)
+            # "sse" reads as the client's "auto": plain GETs while catching up (about three times
+            # the messages per second of SSE's line-by-line parsing, measured), SSE once caught up.
+            live: LiveMode = "auto" if self.mapping.live == "sse" else "long-poll"
+            # state mode reads the bodies raw: Postgres parses them (state.py)
+            raw = self.mapping.mode == "state"
+            nursery.start_soon(reading.read_into, self.stream, start, live, raw, send)
             try:
                 ended, stored = await self.apply_all(receive, stored)
             except Exception as error:  # raised below, outside the nursery: not in an ExceptionGroup
@@ -139,7 +145,8 @@ class Sink:
                 last = item
                 ended: reading.Item | None = None
                 count = parts[0].count
-                while count < MAX_MESSAGES:
+                size = len(item.data)
+                while count < MAX_MESSAGES and size < MAX_BYTES:
                     try:
                         more = receive.receive_nowait()
                     except trio.WouldBlock:
@@ -149,6 +156,7 @@ class Sink:
                         break
                     parts.append(Part.of(more))
                     count += parts[-1].count
+                    size += len(more.data)
                     last = more
                 stored = await self.apply(parts, stored)
                 await self.note_lag(last)
@@ -167,40 +175,42 @@ class Sink:
 
     def _apply_blocking(self, parts: list[Part], stored: Stored) -> tuple[Stored, int]:
         mapping = self.mapping
-        misfits: list[Misfit]
+        write: Callable[[psycopg.Cursor[Any]], Outcome]
         if mapping.mode == "state":
-            state_plan = state.plan(parts, stored.in_snapshot, stored.clear_pending)
-            misfits, applied, in_snapshot = state_plan.misfits, state_plan.applied, state_plan.in_snapshot
 
-            def write(cur: psycopg.Cursor[Any]) -> None:
-                state.write(cur, self.names, state_plan)
+            def write(cur: psycopg.Cursor[Any]) -> Outcome:
+                outcome = state.write(cur, self.names, parts, stored.in_snapshot, stored.clear_pending)
+                if outcome.misfits and mapping.dead_letter is None:
+                    self.stop_on_misfit(outcome.misfits[0], stored)  # raises: the transaction rolls back
+                return outcome
 
         else:
             assert self.log_columns is not None
-            log_plan = log.plan(
-                parts, mapping.stream, mapping.columns, self.log_columns, stored.clear_pending
-            )
-            misfits, applied, in_snapshot = log_plan.misfits, log_plan.applied, False
+            plan = log.plan(parts, mapping.stream, mapping.columns, self.log_columns, stored.clear_pending)
+            if plan.misfits and mapping.dead_letter is None:
+                self.stop_on_misfit(plan.misfits[0], stored)
 
-            def write(cur: psycopg.Cursor[Any]) -> None:
-                log.write(cur, self.names, mapping.columns, log_plan)
+            def write(cur: psycopg.Cursor[Any]) -> Outcome:
+                return log.write(cur, self.names, mapping.columns, plan)
 
-        if misfits and mapping.dead_letter is None:
-            raise MappingStopped(
-                f"sync {mapping.name}: {misfits[0].describe()}. Nothing of that batch was applied and the "
-                f'stored offset stays at {stored.next_offset}. Set dead_letter = "TABLE" in this mapping to '
-                "set such messages aside and go on, or fix the stream (and `streamkeep sync reset "
-                f"{mapping.name}` to apply it again from the beginning)."
-            )
-        after = Stored(parts[-1].next_offset, stored.version + 1, in_snapshot, False)
+        next_offset = parts[-1].next_offset
         try:
-            commit.apply(self.conn, self.names, mapping.stream, stored, after, write, misfits)
+            outcome = commit.apply(self.conn, self.names, mapping.stream, stored, next_offset, write)
         except psycopg.errors.DataError as error:  # a value Postgres refused that the checks let by
             raise MappingStopped(
                 f"sync {mapping.name}: Postgres refused the batch at offset {parts[0].offset}: {error}. "
                 f"The stored offset stays at {stored.next_offset}."
             ) from error
-        return after, applied
+        return Stored(next_offset, stored.version + 1, outcome.in_snapshot), outcome.applied
+
+    def stop_on_misfit(self, misfit: Misfit, stored: Stored) -> NoReturn:
+        mapping = self.mapping
+        raise MappingStopped(
+            f"sync {mapping.name}: {misfit.describe()}. Nothing of that batch was applied and the "
+            f'stored offset stays at {stored.next_offset}. Set dead_letter = "TABLE" in this mapping to '
+            "set such messages aside and go on, or fix the stream (and `streamkeep sync reset "
+            f"{mapping.name}` to apply it again from the beginning)."
+        )
 
     async def gone(self, error: StreamGone, stored: Stored) -> None:
         mapping = self.mapping
@@ -250,7 +260,11 @@ async def run(mapping: StreamToPg, client: Client, stats: MappingStats) -> None:
     names = Names.of(mapping)
     conn = await trio.to_thread.run_sync(
         lambda: psycopg.connect(
-            mapping.dsn, connect_timeout=10, application_name=f"streamkeep-sync-{mapping.name}"
+            mapping.dsn,
+            connect_timeout=10,
+            application_name=f"streamkeep-sync-{mapping.name}",
+            # a batch's fold sorts up to MAX_MESSAGES rows: in memory, not in temporary files
+            options="-c work_mem=64MB",
         )
     )
     sink = Sink(mapping, names, client.stream(mapping.stream), conn, stats)

@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 
 from streamkeep.sync.crashpoints import crash_point
 from streamkeep.sync.sink import offsets
-from streamkeep.sync.sink.batch import Misfit
+from streamkeep.sync.sink.batch import Misfit, Outcome
 from streamkeep.sync.sink.names import Names
 from streamkeep.sync.sink.offsets import Stored
 
@@ -40,10 +40,11 @@ def apply(
     names: Names,
     mapping_stream: str,
     before: Stored,
-    after: Stored,
-    write: Callable[[psycopg.Cursor[Any]], None],
-    misfits: list[Misfit],
-) -> None:
+    next_offset: str,
+    write: Callable[[psycopg.Cursor[Any]], Outcome],
+) -> Outcome:
+    """Applies one batch and moves the stored offset from `before` to `next_offset`; what the
+    write returned (misfits are dead-lettered here: `write` raises when there is no table)."""
     set_up = False
     try:
         with conn.cursor() as cur:
@@ -57,10 +58,12 @@ def apply(
                     f"mapping {names.mapping}?): {error}"
                 ) from error
             set_up = True
-            offsets.advance(cur, names, before, after)
-            write(cur)
-            if misfits:
-                _dead_letter(cur, names, mapping_stream, misfits)
+            offsets.advance(cur, names, before, Stored(next_offset, before.version + 1, before.in_snapshot))
+            outcome = write(cur)
+            if outcome.in_snapshot != before.in_snapshot:
+                offsets.mark_snapshot(cur, names, outcome.in_snapshot)
+            if outcome.misfits:
+                _dead_letter(cur, names, mapping_stream, outcome.misfits)
             crash_point("sink.before_commit")
         conn.commit()
     except BaseException:
@@ -72,6 +75,7 @@ def apply(
             conn.execute("SELECT pg_replication_origin_session_reset()")
             conn.commit()
     crash_point("sink.after_commit")
+    return outcome
 
 
 def _dead_letter(cur: psycopg.Cursor[Any], names: Names, stream: str, misfits: list[Misfit]) -> None:

@@ -10,17 +10,19 @@ Postgres parses. A missing path does not fit."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from streamkeep.sync.sink.batch import Misfit, Part, dumps
+from streamkeep.sync.sink.batch import Misfit, Outcome, Part, dumps
 from streamkeep.sync.sink.names import Names
 from streamkeep.sync.sink.tables import LogColumns
 
 INTEGERS = ("smallint", "integer", "bigint")
+compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # JSON in a text column
 NUMBERS = ("real", "double precision")
 _MISSING = object()
 
@@ -53,7 +55,7 @@ def convert(value: Any, column_type: str) -> str | None:
     if column_type in ("json", "jsonb"):
         return dumps(value)
     if column_type == "text" or column_type.startswith(("character", "varchar")):
-        return value if isinstance(value, str) else dumps(value)
+        return value if isinstance(value, str) else compact(value)
     if column_type in INTEGERS:
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value)
@@ -96,12 +98,13 @@ def plan(
     return Plan(rows, misfits, len(rows), clear_first)
 
 
-def write(cur: psycopg.Cursor[Any], names: Names, columns: dict[str, str], plan: Plan) -> None:
+def write(cur: psycopg.Cursor[Any], names: Names, columns: dict[str, str], plan: Plan) -> Outcome:
     if plan.clear_first:  # `streamkeep sync reset`: the log is applied again from the beginning
         cur.execute(sql.SQL("DELETE FROM {}").format(names.table))
     if not plan.rows:
-        return
+        return Outcome(0, False, plan.misfits)
     listed = [sql.Identifier(c) for c in ("stream", "stream_offset", "message_index", "message", *columns)]
     with cur.copy(sql.SQL("COPY {} ({}) FROM STDIN").format(names.table, sql.SQL(", ").join(listed))) as copy:
         for row in plan.rows:
             copy.write_row(row)
+    return Outcome(plan.applied, False, plan.misfits)

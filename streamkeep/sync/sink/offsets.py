@@ -92,6 +92,14 @@ def advance(cur: psycopg.Cursor[tuple[object, ...]], names: Names, before: Store
         )
 
 
+def mark_snapshot(cur: psycopg.Cursor[tuple[object, ...]], names: Names, in_snapshot: bool) -> None:
+    """In the transaction that `advance` began (the row is locked): a snapshot began or ended."""
+    cur.execute(
+        sql.SQL("UPDATE {} SET in_snapshot = %s WHERE mapping = %s").format(names.offsets),
+        (in_snapshot, names.mapping),
+    )
+
+
 def restart_from(
     conn: psycopg.Connection, names: Names, offset: str, *, clear: bool, before: Stored | None = None
 ) -> str | None:

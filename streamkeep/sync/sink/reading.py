@@ -38,10 +38,13 @@ class Closed:
 Item = Batch | Gone | NotFound | Failed | Closed
 
 
-async def read_into(stream: Stream, offset: str, live: LiveMode, send: trio.MemorySendChannel[Item]) -> None:
+async def read_into(
+    stream: Stream, offset: str, live: LiveMode, raw: bool, send: trio.MemorySendChannel[Item]
+) -> None:
+    """`raw`: the bodies as they came (no JSON parsing here); else messages for a JSON stream."""
     async with send:
         try:
-            async with stream.read(offset=offset, live=live) as reader:
+            async with stream.read(offset=offset, live=live, json=False if raw else None) as reader:
                 async for batch in reader:
                     await send.send(batch)
             await send.send(Closed())

@@ -18,8 +18,6 @@ from psycopg import sql
 from streamkeep.sync.config import StreamToPg
 from streamkeep.sync.sink.names import Names
 
-ROWS = sql.Identifier("streamkeep_sink_rows")  # per session, for COPY then one upsert
-
 
 @dataclass(frozen=True)
 class LogColumns:
@@ -100,16 +98,5 @@ def create_dead_letter(conn: psycopg.Connection, names: Names) -> None:
                 at timestamptz NOT NULL DEFAULT now()
             )"""
         ).format(names.dead_letter)
-    )
-    conn.commit()
-
-
-def create_session_rows(conn: psycopg.Connection) -> None:
-    """A temporary table for COPY, emptied at each commit: a batch is copied in and applied with
-    one INSERT ... ON CONFLICT and one DELETE, not one round trip per message."""
-    conn.execute(
-        sql.SQL(
-            "CREATE TEMP TABLE IF NOT EXISTS {} (type text, key text, value jsonb, deleted boolean) ON COMMIT DELETE ROWS"
-        ).format(ROWS)
     )
     conn.commit()
