@@ -99,6 +99,7 @@ class Bridge:
         self.checkpoint: Checkpoint | None = None
         self.confirmed = 0  # the slot's flush position we have confirmed (or will, at the next status)
         self.sent_status = 0
+        self.in_flight = 0  # batches handed to the appender and not yet confirmed
         self.server_wal_end = 0
 
     def close(self) -> None:
@@ -277,31 +278,72 @@ class Bridge:
     # Streaming.
 
     async def _stream(self, changes: Changes, rebuilding: bool) -> None:
-        """Reads the slot until cancelled. While `rebuilding`, the checkpoint's pending batch is
-        re-collected and re-sent whole, whatever batch_rows and batch_wait say now."""
+        """Reads the slot and appends its batches until cancelled: two tasks, so the slot is read
+        and decoded while the previous batch is checkpointed and appended (each of those waits
+        on an fsync, here and on the server). The appender takes batches in order, one at a time:
+        the checkpoint's single pending batch and the seq order need nothing more."""
+        send, receive = trio.open_memory_channel[tuple[Batch, bool]](1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._appender, receive)
+            await self._read(changes, rebuilding, send)
+
+    async def _appender(self, batches: trio.MemoryReceiveChannel[tuple[Batch, bool]]) -> None:
+        async for batch, resend in batches:
+            await self._flush(batch, resend)
+            if resend:
+                await self._next_epoch()  # the old epoch's last batch is settled: fence it
+            self.in_flight -= 1
+
+    async def _hand_over(
+        self, send: trio.MemorySendChannel[tuple[Batch, bool]], batch: Batch, resend: bool = False
+    ) -> None:
+        self.in_flight += 1
+        await send.send((batch, resend))
+
+    async def _read(
+        self, changes: Changes, rebuilding: bool, send: trio.MemorySendChannel[tuple[Batch, bool]]
+    ) -> None:
+        """Reads the slot into batches of whole transactions. While `rebuilding`, the
+        checkpoint's pending batch is re-collected and re-sent whole, whatever batch_rows and
+        batch_wait say now.
+
+        Messages libpq has already buffered are handled without any await; only when none is left
+        does the loop wait on the socket, under one cancel scope (the batch's deadline, or the
+        status interval)."""
         m = self.mapping
-        assert self.replication is not None and self.checkpoint is not None
+        replication = self.replication
+        assert replication is not None and self.checkpoint is not None
+        # Transactions ending at or before this are on the stream already: the slot may replay
+        # them (its position is persisted only at Postgres checkpoints). Everything read later
+        # ends after it, so the appender moving the checkpoint on changes nothing here.
+        skip_through = self.checkpoint.appended_lsn
+        assert skip_through is not None
         batch = Batch()
         transaction: Transaction | None = None
         last_status = time.monotonic()
-        last_table_check = time.monotonic()
+        last_table_check = last_status
         while True:
-            deadline = batch.opened_at + m.batch_wait if batch.rows and not rebuilding else None
-            timeout = max(0.0, deadline - time.monotonic()) if deadline is not None else STATUS_EVERY
-            received = None
-            with trio.move_on_after(timeout):
-                received = await self.replication.receive()
+            received = replication.receive_nowait()
             if received is None:
-                if batch.messages and not rebuilding:
-                    await self._flush(batch)
+                now = time.monotonic()
+                if batch.rows and not rebuilding and now - batch.opened_at >= m.batch_wait:
+                    await self._hand_over(send, batch)
                     batch = Batch()
-                elif time.monotonic() - last_status >= STATUS_EVERY:
-                    await self._send_status()
                     last_status = time.monotonic()
+                    continue
+                if now - last_status >= STATUS_EVERY:
+                    await self._send_status()
+                    last_status = now
+                if batch.rows and not rebuilding:
+                    timeout = batch.opened_at + m.batch_wait - now
+                else:
+                    timeout = last_status + STATUS_EVERY - now
+                with trio.move_on_after(max(0.0, timeout)):
+                    await replication.wait()
                 continue
             if isinstance(received, Keepalive):
                 self.server_wal_end = max(self.server_wal_end, received.wal_end)
-                if transaction is None and not batch.messages and not rebuilding:
+                if transaction is None and not batch.rows and not rebuilding and not self.in_flight:
                     # Nothing of ours is open: everything the server has sent is settled, so its
                     # WAL may be recycled (an idle publication must not hold WAL forever).
                     self.confirmed = max(self.confirmed, received.wal_end)
@@ -313,26 +355,17 @@ class Bridge:
                     last_status = time.monotonic()
                 self._lag()
                 continue
-            self.server_wal_end = max(self.server_wal_end, received.wal_end)
+            if received.wal_end > self.server_wal_end:
+                self.server_wal_end = received.wal_end
             message = decode(received.payload)
-            if isinstance(message, Begin):
-                transaction = Transaction(message.xid, message.commit_time)
-            elif isinstance(message, Origin):
-                if transaction is not None and is_sink_origin(message.name):
-                    transaction.skip = True
-            elif isinstance(message, Relation):
-                key = None
-                if changes.relation_needs_catalog(message):
-                    key = await blocking(catalog.primary_key, self.control, message.qualified)
-                changes.add_relation(message, key)
-            elif isinstance(message, Insert | Update | Delete | Truncate):
+            if isinstance(message, Insert | Update | Delete | Truncate):
                 if transaction is not None and not transaction.skip:
                     transaction.messages.extend(changes.messages(message, transaction.xid))
+            elif isinstance(message, Begin):
+                transaction = Transaction(message.xid, message.commit_time)
             elif isinstance(message, Commit):
                 done, transaction = transaction, None
-                appended = self.checkpoint.appended_lsn
-                assert appended is not None
-                if done is None or message.end_lsn <= appended or not done.messages:
+                if done is None or message.end_lsn <= skip_through or not done.messages:
                     continue  # already on the stream (a replay), or nothing of ours
                 set_lsn(done.messages, lsn_text(message.end_lsn))
                 if not batch.rows:
@@ -351,13 +384,21 @@ class Bridge:
                             f"mapping {m.name}: the pending batch ends at {lsn_text(pending.end_lsn)} but no "
                             f"transaction of the slot ends there (next: {lsn_text(message.end_lsn)})"
                         )
-                    await self._flush(batch, resend=True)
+                    await self._hand_over(send, batch, resend=True)
                     batch = Batch()
                     rebuilding = False
-                    await self._next_epoch()
-                elif batch.rows >= m.batch_rows:
-                    await self._flush(batch)
+                elif batch.rows >= m.batch_rows or time.monotonic() - batch.opened_at >= m.batch_wait:
+                    await self._hand_over(send, batch)
                     batch = Batch()
+                    last_status = time.monotonic()
+            elif isinstance(message, Origin):
+                if transaction is not None and is_sink_origin(message.name):
+                    transaction.skip = True
+            elif isinstance(message, Relation):
+                key = None
+                if changes.relation_needs_catalog(message):
+                    key = await blocking(catalog.primary_key, self.control, message.qualified)
+                changes.add_relation(message, key)
 
     async def _flush(self, batch: Batch, resend: bool = False) -> None:
         assert self.checkpoint is not None and self.replication is not None

@@ -50,14 +50,14 @@ class Column:
     key: bool  # part of the replica identity (every column with REPLICA IDENTITY FULL)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Begin:
     final_lsn: int  # the commit record's LSN
     commit_time: int  # Postgres micros
     xid: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Commit:
     commit_lsn: int
     end_lsn: int  # the end of the commit record: what a transaction is identified and confirmed by
@@ -90,20 +90,20 @@ class TypeInfo:
     name: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Insert:
     relation_id: int
     new: tuple[Value, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Update:
     relation_id: int
     old: tuple[Value, ...] | None  # the old key ('K') or whole old row ('O'), when sent
     new: tuple[Value, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delete:
     relation_id: int
     old: tuple[Value, ...]  # the key ('K') or the whole row ('O', REPLICA IDENTITY FULL)
@@ -160,31 +160,78 @@ class _Reader:
         self.at += size
         return chunk
 
-    def tuple_data(self) -> tuple[Value, ...]:
-        count = self.take("!h")
+
+_BEGIN = struct.Struct("!QqI")
+_COMMIT = struct.Struct("!xQQq")  # flags (unused), commit LSN, end LSN, commit time
+_RELATION_ID = struct.Struct("!Ic")
+_COUNT = struct.Struct("!h")
+_SIZE = struct.Struct("!I")
+
+
+def _tuple_at(data: bytes, at: int) -> tuple[tuple[Value, ...], int]:
+    """TupleData at `at`, and where it ends: the hot path of a drain, so no reader object."""
+    try:
+        (count,) = _COUNT.unpack_from(data, at)
+        at += 2
         values: list[Value] = []
         for _ in range(count):
-            kind = self.byte()
-            if kind == "n":
+            kind = data[at]
+            at += 1
+            if kind == 0x74:  # 't': text
+                (size,) = _SIZE.unpack_from(data, at)
+                at += 4
+                values.append(data[at : at + size].decode("utf-8"))
+                at += size
+            elif kind == 0x6E:  # 'n': NULL
                 values.append(None)
-            elif kind == "u":
+            elif kind == 0x75:  # 'u': unchanged TOASTed value
                 values.append(UNCHANGED)
-            elif kind == "t":
-                values.append(self.raw(self.take("!i")).decode("utf-8"))
             else:  # 'b' comes only with the `binary` option, which we never ask for
-                raise DecodeError(f"unexpected tuple value kind {kind!r}")
-        return tuple(values)
+                raise DecodeError(f"unexpected tuple value kind {chr(kind)!r}")
+    except (struct.error, IndexError) as error:
+        raise DecodeError(f"tuple data ends early: {error}") from None
+    return tuple(values), at
 
 
 def decode(data: bytes) -> Message:
     """One pgoutput message (the payload of an XLogData)."""
-    r = _Reader(bytes(data))
+    kind = data[:1]
+    try:
+        if kind == b"I":
+            relation_id, marker = _RELATION_ID.unpack_from(data, 1)
+            if marker != b"N":
+                raise DecodeError("insert without a new tuple")
+            return Insert(relation_id, _tuple_at(data, 6)[0])
+        if kind == b"B":
+            final_lsn, commit_time, xid = _BEGIN.unpack_from(data, 1)
+            return Begin(final_lsn, commit_time, xid)
+        if kind == b"C":
+            commit_lsn, end_lsn, commit_time = _COMMIT.unpack_from(data, 1)
+            return Commit(commit_lsn, end_lsn, commit_time)
+        if kind == b"U":
+            relation_id, marker = _RELATION_ID.unpack_from(data, 1)
+            at = 6
+            old = None
+            if marker in (b"K", b"O"):
+                old, at = _tuple_at(data, at)
+                marker = data[at : at + 1]
+                at += 1
+            if marker != b"N":
+                raise DecodeError("update without a new tuple")
+            return Update(relation_id, old, _tuple_at(data, at)[0])
+        if kind == b"D":
+            relation_id, marker = _RELATION_ID.unpack_from(data, 1)
+            if marker not in (b"K", b"O"):
+                raise DecodeError("delete without an old key or row")
+            return Delete(relation_id, _tuple_at(data, 6)[0])
+    except struct.error as error:
+        raise DecodeError(f"message ends early: {error}") from None
+    return _decode_rare(bytes(data))
+
+
+def _decode_rare(data: bytes) -> Message:
+    r = _Reader(data)
     kind = r.byte()
-    if kind == "B":
-        return Begin(final_lsn=r.take("!Q"), commit_time=r.take("!q"), xid=r.take("!I"))
-    if kind == "C":
-        r.take("!B")  # flags, unused
-        return Commit(commit_lsn=r.take("!Q"), end_lsn=r.take("!Q"), commit_time=r.take("!q"))
     if kind == "O":
         return Origin(lsn=r.take("!Q"), name=r.string())
     if kind == "R":
@@ -202,26 +249,6 @@ def decode(data: bytes) -> Message:
         return Relation(relation_id, namespace or "pg_catalog", name, identity, tuple(columns))
     if kind == "Y":
         return TypeInfo(type_oid=r.take("!I"), namespace=r.string(), name=r.string())
-    if kind == "I":
-        relation_id = r.take("!I")
-        if r.byte() != "N":
-            raise DecodeError("insert without a new tuple")
-        return Insert(relation_id, r.tuple_data())
-    if kind == "U":
-        relation_id = r.take("!I")
-        marker = r.byte()
-        old = None
-        if marker in ("K", "O"):
-            old = r.tuple_data()
-            marker = r.byte()
-        if marker != "N":
-            raise DecodeError("update without a new tuple")
-        return Update(relation_id, old, r.tuple_data())
-    if kind == "D":
-        relation_id = r.take("!I")
-        if r.byte() not in ("K", "O"):
-            raise DecodeError("delete without an old key or row")
-        return Delete(relation_id, r.tuple_data())
     if kind == "T":
         count = r.take("!I")
         options = r.take("!B")
@@ -238,21 +265,21 @@ def decode(data: bytes) -> Message:
 # The replication sub-protocol (inside CopyBoth).
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class XLogData:
     start: int
     wal_end: int
     payload: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Keepalive:
     wal_end: int
     reply_requested: bool
 
 
-def decode_copy(data: bytes) -> XLogData | Keepalive:
-    kind = data[:1]
+def decode_copy(data: bytes | memoryview) -> XLogData | Keepalive:
+    kind = bytes(data[:1])
     if kind == b"w":
         start, wal_end, _sent = struct.unpack_from("!QQq", data, 1)
         return XLogData(start, wal_end, bytes(data[25:]))

@@ -115,20 +115,29 @@ class ReplicationConnection:
             self.streaming = True
             return
 
+    def receive_nowait(self) -> XLogData | Keepalive | None:
+        """The next message libpq has already read, or None: no await and no cancel scope per
+        message, which dominated a drain's CPU (a slot holds many small messages)."""
+        size, data = self.pgconn.get_copy_data(1)
+        if size > 0:
+            return decode_copy(data)
+        if size == 0:
+            return None
+        # -1: the server ended the copy (an error follows); -2: the connection failed.
+        result = self.pgconn.get_result()
+        raise _error(self.pgconn, result, "replication stream ended")
+
+    async def wait(self) -> None:
+        """Until the socket has more to read (then read into libpq's buffer)."""
+        await trio.lowlevel.wait_readable(self.pgconn.socket)
+        self.pgconn.consume_input()
+
     async def receive(self) -> XLogData | Keepalive:
         """The next message from the server, waiting as long as it takes (the server sends a
         keepalive at least every wal_sender_timeout / 2)."""
-        while True:
-            size, data = self.pgconn.get_copy_data(1)
-            if size > 0:
-                return decode_copy(bytes(data))
-            if size == 0:
-                await trio.lowlevel.wait_readable(self.pgconn.socket)
-                self.pgconn.consume_input()
-                continue
-            # -1: the server ended the copy (an error follows); -2: the connection failed.
-            result = self.pgconn.get_result()
-            raise _error(self.pgconn, result, "replication stream ended")
+        while (message := self.receive_nowait()) is None:
+            await self.wait()
+        return message
 
     async def send_status(self, written: int, flushed: int) -> None:
         now = int((time.time() - POSTGRES_EPOCH_UNIX) * 1_000_000)
