@@ -321,3 +321,56 @@ async def test_the_sinks_transactions_carry_its_replication_origin(server: str, 
         ) == [(1,)]
     finally:
         query_commit(database, "SELECT pg_drop_replication_slot(%s)", slot)
+
+
+async def test_reset_in_log_mode_applies_the_stream_again_into_an_emptied_table(
+    server: str, database: str
+) -> None:
+    sink = mapping(database, "relog", "log")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(client, sink.stream, [{"n": n} for n in range(5)])
+        await run_until_caught_up(server, sink)
+        said = await trio.to_thread.run_sync(reset, sink)
+        assert "emptied in the same transaction as the first batch" in said
+        assert stored_offset(database, "relog") == "-1"
+        await append(client, sink.stream, [{"n": 5}])
+        await run_until_caught_up(server, sink)
+        await assert_log_is_stream(client, sink)  # each message once: the old rows went with the reset
+
+
+async def test_what_a_person_must_fix_stops_the_mapping_at_start(server: str, database: str) -> None:
+    query_commit(database, "CREATE TABLE notstate (id int PRIMARY KEY)")
+    role = "sink_" + database.rsplit("/", 1)[1][-40:]
+    query_commit(database, f"CREATE ROLE {role} LOGIN")
+    try:
+        async with Client(server) as client:
+            for name, content_type in (
+                ("notstate", "application/json"),
+                ("bytes", "application/octet-stream"),
+            ):
+                await client.stream(f"{name}-stream").create(content_type=content_type)
+            cases = [
+                (mapping(database, "notstate"), "is not a state table"),
+                (mapping(database, "bytes"), "needs an application/json stream"),
+                (mapping(database.replace("postgres@", f"{role}@"), "norights"), "GRANT EXECUTE"),
+            ]
+            await create(client, "norights-stream")
+            for sink, said in cases:
+                with trio.fail_after(10), pytest.raises(MappingStopped) as stopped:
+                    await run(sink, client, MappingStats(sink.name, "stream_to_pg"))
+                assert said in str(stopped.value)
+    finally:
+        query_commit(database, f"DROP ROLE {role}")
+
+
+async def test_a_byte_stream_in_log_mode_is_one_bytea_row_per_answer(server: str, database: str) -> None:
+    sink = mapping(database, "raw", "log")
+    async with Client(server) as client:
+        await client.stream(sink.stream).create(content_type="application/octet-stream")
+        await client.stream(sink.stream).append(b"\x00\x01binary")
+        await run_until_caught_up(server, sink)
+        await client.stream(sink.stream).append(b"more")
+        await run_until_caught_up(server, sink)
+        rows = query(database, "SELECT message FROM raw ORDER BY stream_offset")
+        assert b"".join(bytes(r[0]) for r in rows) == b"\x00\x01binarymore"

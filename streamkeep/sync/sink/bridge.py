@@ -31,6 +31,12 @@ MAX_MESSAGES = 50_000  # per transaction, when answers queue up ...
 MAX_BYTES = 16 << 20  # ... or this many bytes of them
 WAIT_FOR_STREAM = 1.0  # seconds between HEADs while the stream does not exist
 LAG_CHECK = 1.0  # seconds between HEADs for lag_bytes while behind
+# work_mem: a batch's fold sorts up to MAX_MESSAGES rows, in memory rather than temporary files.
+# idle_in_transaction_session_timeout: a sink paused in the middle of a transaction (SIGSTOP, a
+# frozen VM) is cut off by Postgres, so its row lock and replication origin go to the next sink
+# (which it fences: its own commit then fails). lock_timeout: a sink waiting on such a lock says so
+# in its stats and retries, rather than hanging without a word.
+SESSION_OPTIONS = "-c work_mem=64MB -c idle_in_transaction_session_timeout=30s -c lock_timeout=60s"
 _OFFSET = re.compile(r"([0-9]{16})_([0-9]{16})")
 
 
@@ -75,6 +81,7 @@ class Sink:
             )
         try:
             commit.ensure_origin(self.conn, names)
+            commit.check_origin(self.conn, names)
         except psycopg.errors.InsufficientPrivilege as error:
             raise MappingStopped(
                 f"sync {mapping.name}: the Postgres role cannot create or use replication origin "
@@ -86,6 +93,12 @@ class Sink:
         if mapping.mode == "state":
             tables.create_state(self.conn, names)
             state.create_session_table(self.conn)
+            shape = tables.column_types(self.conn, mapping.table)
+            if (shape.get("type"), shape.get("key"), shape.get("value")) != ("text", "text", "jsonb"):
+                raise MappingStopped(
+                    f'sync {mapping.name}: table {mapping.table} is not a state table: mode = "state" needs '
+                    "(type text, key text, value jsonb, PRIMARY KEY (type, key)); name a new table and it is created"
+                )
             return
         try:
             self.log_columns = tables.create_log(self.conn, names, mapping, json_stream)
@@ -263,8 +276,7 @@ async def run(mapping: StreamToPg, client: Client, stats: MappingStats) -> None:
             mapping.dsn,
             connect_timeout=10,
             application_name=f"streamkeep-sync-{mapping.name}",
-            # a batch's fold sorts up to MAX_MESSAGES rows: in memory, not in temporary files
-            options="-c work_mem=64MB",
+            options=SESSION_OPTIONS,
         )
     )
     sink = Sink(mapping, names, client.stream(mapping.stream), conn, stats)

@@ -35,6 +35,18 @@ def ensure_origin(conn: psycopg.Connection, names: Names) -> None:
         conn.rollback()
 
 
+def check_origin(conn: psycopg.Connection, names: Names) -> None:
+    """Sets the origin up and resets it once, so a role without the right to use it fails at start
+    (InsufficientPrivilege) rather than at every batch. Another session using it is fine here."""
+    try:
+        conn.execute("SELECT pg_replication_origin_session_setup(%s)", (names.origin,))
+    except errors.ObjectInUse:
+        conn.rollback()
+        return
+    conn.execute("SELECT pg_replication_origin_session_reset()")
+    conn.commit()
+
+
 def apply(
     conn: psycopg.Connection,
     names: Names,
