@@ -26,9 +26,11 @@ from streamkeep.client import Client, PayloadTooLarge, SequenceConflict, Stream,
 from streamkeep.sync.config import PgToStream
 from streamkeep.sync.crashpoints import crash_point
 from streamkeep.sync.source import catalog, encode
-from streamkeep.sync.source.changes import Changes, reset_hint, set_lsn
+from streamkeep.sync.source.changes import Changes, Transaction, reset_hint
 from streamkeep.sync.source.checkpoint import Checkpoint, CheckpointStore, new_producer_id
 from streamkeep.sync.source.pgoutput import (
+    XLOG_DATA,
+    XLOG_PAYLOAD,
     Begin,
     Commit,
     Delete,
@@ -39,8 +41,10 @@ from streamkeep.sync.source.pgoutput import (
     Truncate,
     Update,
     decode,
+    decode_copy,
     lsn_text,
     unix_time,
+    wal_end,
 )
 from streamkeep.sync.source.replication import ReplicationConnection, ReplicationError
 from streamkeep.sync.source.snapshot import SnapshotReader
@@ -70,14 +74,6 @@ async def blocking(fn: Callable[..., T], *args: Any) -> T:
     """A blocking Postgres call in a worker thread. Not abandoned on cancel: closing a psycopg
     connection while its thread still uses it is not safe, and these calls are short."""
     return await trio.to_thread.run_sync(lambda: fn(*args))
-
-
-@dataclass
-class Transaction:
-    xid: int
-    commit_time: int
-    skip: bool = False  # the sink's own write (origin streamkeep_sync)
-    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -341,33 +337,36 @@ class Bridge:
                 with trio.move_on_after(max(0.0, timeout)):
                     await replication.wait()
                 continue
-            if isinstance(received, Keepalive):
-                self.server_wal_end = max(self.server_wal_end, received.wal_end)
+            if received[0] != XLOG_DATA:
+                keepalive = decode_copy(received)
+                assert isinstance(keepalive, Keepalive)
+                self.server_wal_end = max(self.server_wal_end, keepalive.wal_end)
                 if transaction is None and not batch.rows and not rebuilding and not self.in_flight:
                     # Nothing of ours is open: everything the server has sent is settled, so its
                     # WAL may be recycled (an idle publication must not hold WAL forever).
-                    self.confirmed = max(self.confirmed, received.wal_end)
+                    self.confirmed = max(self.confirmed, keepalive.wal_end)
                     if time.monotonic() - last_table_check >= TABLE_CHECK_EVERY:
                         await blocking(catalog.check_tables, self.control, m.name, m.tables)
                         last_table_check = time.monotonic()
-                if received.reply_requested or self.confirmed > self.sent_status:
+                if keepalive.reply_requested or self.confirmed > self.sent_status:
                     await self._send_status()
                     last_status = time.monotonic()
                 self._lag()
                 continue
-            if received.wal_end > self.server_wal_end:
-                self.server_wal_end = received.wal_end
-            message = decode(received.payload)
+            end = wal_end(received)
+            if end > self.server_wal_end:
+                self.server_wal_end = end
+            message = decode(received, XLOG_PAYLOAD)
             if isinstance(message, Insert | Update | Delete | Truncate):
                 if transaction is not None and not transaction.skip:
-                    transaction.messages.extend(changes.messages(message, transaction.xid))
+                    changes.add(message, transaction)
             elif isinstance(message, Begin):
                 transaction = Transaction(message.xid, message.commit_time)
             elif isinstance(message, Commit):
                 done, transaction = transaction, None
                 if done is None or message.end_lsn <= skip_through or not done.messages:
                     continue  # already on the stream (a replay), or nothing of ours
-                set_lsn(done.messages, lsn_text(message.end_lsn))
+                done.committed(lsn_text(message.end_lsn))
                 if not batch.rows:
                     batch.opened_at = time.monotonic()
                 batch.messages.extend(done.messages)

@@ -8,6 +8,8 @@ meaning); so does a renamed table."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from streamkeep.sync.source import encode
@@ -22,11 +24,46 @@ def reset_hint(mapping: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What encoding a row of one relation needs, worked out once per Relation message."""
+
+    relation: Relation
+    table: str
+    names: tuple[str, ...]
+    converters: tuple[Callable[[str], Any], ...]
+    key_at: tuple[int, ...]
+
+
+class Transaction:
+    """The messages of one transaction, built as its changes arrive: messages of one operation
+    share one headers dict, whose `lsn` is filled in at Commit."""
+
+    __slots__ = ("commit_time", "headers", "messages", "skip", "xid")
+
+    def __init__(self, xid: int, commit_time: int) -> None:
+        self.xid = xid
+        self.commit_time = commit_time
+        self.skip = False  # the sink's own write (its replication origin): never echoed
+        self.messages: list[dict[str, Any]] = []
+        self.headers: dict[str, dict[str, str]] = {}
+
+    def headers_for(self, operation: str) -> dict[str, str]:
+        found = self.headers.get(operation)
+        if found is None:
+            found = self.headers[operation] = encode.headers(operation, self.xid)
+        return found
+
+    def committed(self, lsn: str) -> None:
+        for headers in self.headers.values():
+            headers["lsn"] = lsn
+
+
 class Changes:
     def __init__(self, mapping: str, tables: dict[str, TableInfo]) -> None:
         self.mapping = mapping
         self.tables = tables
-        self.relations: dict[int, Relation] = {}
+        self.shapes: dict[int, _Shape] = {}
 
     def relation_needs_catalog(self, relation: Relation) -> bool:
         """Whether the key must be checked against the catalog: with REPLICA IDENTITY FULL (or an
@@ -42,86 +79,120 @@ class Changes:
                 f"mapping {self.mapping}: a change arrived for table {relation.qualified}, which is not in "
                 f"`tables` (renamed?); {reset_hint(self.mapping)}"
             )
-        names = [c.name for c in relation.columns]
+        names = tuple(c.name for c in relation.columns)
         if relation.replica_identity == "d":
-            key = {c.name for c in relation.columns if c.key}
-            changed = key != set(table.primary_key)
+            changed = {c.name for c in relation.columns if c.key} != set(table.primary_key)
         else:
             changed = catalog_key != table.primary_key
         if changed or not all(k in names for k in table.primary_key):
             raise MappingStopped(
-                f"mapping {self.mapping}: the primary key of {table.name} changed (was {', '.join(table.primary_key)}); "
-                f"{reset_hint(self.mapping)}"
+                f"mapping {self.mapping}: the primary key of {table.name} changed (was "
+                f"{', '.join(table.primary_key)}); {reset_hint(self.mapping)}"
             )
-        self.relations[relation.relation_id] = relation
+        self.shapes[relation.relation_id] = _Shape(
+            relation,
+            table.name,
+            names,
+            tuple(encode.converter(c.type_oid) for c in relation.columns),
+            tuple(names.index(k) for k in table.primary_key),
+        )
 
-    def _relation(self, relation_id: int) -> tuple[Relation, TableInfo]:
-        relation = self.relations.get(relation_id)
-        if relation is None:
+    def _shape(self, relation_id: int) -> _Shape:
+        shape = self.shapes.get(relation_id)
+        if shape is None:
             raise ValueError(f"a change for relation {relation_id} before its Relation message")
-        return relation, self.tables[relation.qualified]
+        return shape
 
-    def _row(
-        self, relation: Relation, values: tuple[Value, ...], old: tuple[Value, ...] | None
-    ) -> dict[str, Any]:
-        row: dict[str, Any] = {}
-        for index, column in enumerate(relation.columns):
-            value = values[index]
+    def _row(self, shape: _Shape, values: tuple[Value, ...], old: tuple[Value, ...] | None) -> dict[str, Any]:
+        if UNCHANGED in values:
+            values = self._fill_unchanged(shape, values, old)
+        return {
+            name: None if value is None else convert(value)  # type: ignore[arg-type]
+            for name, convert, value in zip(shape.names, shape.converters, values, strict=False)
+        }
+
+    def _fill_unchanged(
+        self, shape: _Shape, values: tuple[Value, ...], old: tuple[Value, ...] | None
+    ) -> tuple[Value, ...]:
+        # Only REPLICA IDENTITY FULL gives the old row whole ('O'), checked at start; a table
+        # switched back since then is a person's problem.
+        filled = list(values)
+        for index, value in enumerate(values):
             if value is UNCHANGED:
-                # Only REPLICA IDENTITY FULL gives the old row whole ('O'), checked at start; a table
-                # switched back since then is a person's problem.
                 if old is None or old[index] is UNCHANGED:
+                    table = shape.table
                     raise MappingStopped(
-                        f"mapping {self.mapping}: an UPDATE of {relation.qualified} left TOASTed column "
-                        f"{column.name} unchanged and its value was not sent; run "
-                        f"`ALTER TABLE {relation.qualified} REPLICA IDENTITY FULL`, then {reset_hint(self.mapping)}"
+                        f"mapping {self.mapping}: an UPDATE of {table} left TOASTed column {shape.names[index]} "
+                        f"unchanged and its value was not sent; run `ALTER TABLE {table} REPLICA IDENTITY "
+                        f"FULL`, then {reset_hint(self.mapping)}"
                     )
-                value = old[index]
-            assert value is None or isinstance(value, str)
-            row[column.name] = encode.to_json(column.type_oid, value)
-        return row
+                filled[index] = old[index]
+        return tuple(filled)
 
-    def _key(self, relation: Relation, table: TableInfo, values: tuple[Value, ...]) -> str:
-        names = [c.name for c in relation.columns]
-        parts: list[str | None] = []
-        for name in table.primary_key:
-            value = values[names.index(name)]
-            parts.append(None if value is UNCHANGED else value)  # type: ignore[arg-type]
-        return encode.key_text(parts)
+    @staticmethod
+    def _key(shape: _Shape, values: tuple[Value, ...]) -> str:
+        if len(shape.key_at) == 1:
+            value = values[shape.key_at[0]]
+            if isinstance(value, str):
+                return value
+        return encode.key_text([v if isinstance(v := values[i], str) else None for i in shape.key_at])
 
-    def messages(self, change: Insert | Update | Delete | Truncate, txid: int) -> list[dict[str, Any]]:
-        """The change's messages, their `lsn` header left empty (the commit's, filled at Commit)."""
-        if isinstance(change, Truncate):
-            names = sorted({self.relations[r].qualified for r in change.relation_ids if r in self.relations})
+    def add(self, change: Insert | Update | Delete | Truncate, transaction: Transaction) -> None:
+        """Appends the change's messages to the transaction's."""
+        out = transaction.messages
+        if isinstance(change, Insert):
+            shape = self._shape(change.relation_id)
+            out.append(
+                {
+                    "type": shape.table,
+                    "key": self._key(shape, change.new),
+                    "value": self._row(shape, change.new, None),
+                    "headers": transaction.headers_for("insert"),
+                }
+            )
+        elif isinstance(change, Update):
+            shape = self._shape(change.relation_id)
+            key = self._key(shape, change.new)
+            value = self._row(shape, change.new, change.old)
+            old_key = None if change.old is None else self._key(shape, change.old)
+            if old_key is not None and old_key != key:
+                # The row's key changed: under its old key it is gone, under its new one it is new.
+                out.append(
+                    {"type": shape.table, "key": old_key, "headers": transaction.headers_for("delete")}
+                )
+                out.append(
+                    {
+                        "type": shape.table,
+                        "key": key,
+                        "value": value,
+                        "headers": transaction.headers_for("insert"),
+                    }
+                )
+            else:
+                out.append(
+                    {
+                        "type": shape.table,
+                        "key": key,
+                        "value": value,
+                        "headers": transaction.headers_for("update"),
+                    }
+                )
+        elif isinstance(change, Delete):
+            shape = self._shape(change.relation_id)
+            out.append(
+                {
+                    "type": shape.table,
+                    "key": self._key(shape, change.old),
+                    "headers": transaction.headers_for("delete"),
+                }
+            )
+        else:
+            names = sorted({self.shapes[r].table for r in change.relation_ids if r in self.shapes})
             if set(names) == set(self.tables):
                 # Every table of the mapping emptied: exactly what `reset` tells a reader.
-                return [encode.control("reset")]
+                out.append(encode.control("reset"))
+                return
             raise MappingStopped(
                 f"mapping {self.mapping}: TRUNCATE of {', '.join(names)} (not of every table in the mapping) "
                 f"has no State Protocol form; {reset_hint(self.mapping)}"
             )
-        relation, table = self._relation(change.relation_id)
-        if isinstance(change, Insert):
-            key = self._key(relation, table, change.new)
-            return [encode.change(table.name, key, "insert", self._row(relation, change.new, None), txid, "")]
-        if isinstance(change, Update):
-            key = self._key(relation, table, change.new)
-            value = self._row(relation, change.new, change.old)
-            if change.old is not None:
-                old_key = self._key(relation, table, change.old)
-                if old_key != key:
-                    # The row's key changed: under its old key it is gone, under its new one it is new.
-                    return [
-                        encode.change(table.name, old_key, "delete", None, txid, ""),
-                        encode.change(table.name, key, "insert", value, txid, ""),
-                    ]
-            return [encode.change(table.name, key, "update", value, txid, "")]
-        key = self._key(relation, table, change.old)
-        return [encode.change(table.name, key, "delete", None, txid, "")]
-
-
-def set_lsn(messages: list[dict[str, Any]], lsn: str) -> None:
-    for message in messages:
-        headers = message["headers"]
-        if "operation" in headers:
-            headers["lsn"] = lsn

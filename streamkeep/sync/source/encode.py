@@ -1,9 +1,9 @@
-"""Rows as State Protocol messages, deterministically: a batch rebuilt after a crash must be the
-same bytes as the one that may already be on the stream (the server deduplicates on the producer
-seq and never compares bodies, so a different body would be silently lost).
+"""Rows as State Protocol messages, deterministically: a batch rebuilt after a crash must hold
+the same messages as the one that may already be on the stream (the server deduplicates on the
+producer seq and never compares bodies, so a different body would be silently lost).
 
-Values come as Postgres' text representation (pgoutput's text mode, and the snapshot selects
-`column::text`), so both paths give the same JSON. Integers and booleans become JSON numbers and
+Values come as Postgres' text representation (pgoutput's text mode, and the snapshot reads the
+types' output text too), so both paths give the same JSON. Integers and booleans become JSON numbers and
 booleans, json/jsonb parsed JSON, floats numbers when finite; everything else (numeric, timestamps,
 uuids, arrays, ...) keeps its text, since a JSON number would lose numeric's precision and a
 timestamp has no JSON type."""
@@ -11,7 +11,7 @@ timestamp has no JSON type."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 JSON_TYPE = "application/json"
@@ -21,20 +21,38 @@ BOOL_TYPE = 16
 JSON_TYPES = frozenset((114, 3802))  # json, jsonb
 
 
-def to_json(type_oid: int, text: str | None) -> Any:
-    if text is None:
-        return None
-    if type_oid in INTEGER_TYPES:
-        return int(text)
-    if type_oid == BOOL_TYPE:
-        return text == "t"
-    if type_oid in FLOAT_TYPES:
-        value = float(text)
-        # NaN and the infinities have no JSON form: their text goes instead.
-        return value if value not in (float("inf"), float("-inf")) and value == value else text
-    if type_oid in JSON_TYPES:
-        return json.loads(text)
+def _bool(text: str) -> bool:
+    return text == "t"
+
+
+def _float(text: str) -> float | str:
+    value = float(text)
+    # NaN and the infinities have no JSON form: their text goes instead.
+    return value if value not in (_INFINITIES) and value == value else text
+
+
+def _text(text: str) -> str:
     return text
+
+
+_INFINITIES = (float("inf"), float("-inf"))
+
+
+def converter(type_oid: int) -> Callable[[str], Any]:
+    """The function from a (non-NULL) value's text to its JSON value, chosen once per column."""
+    if type_oid in INTEGER_TYPES:
+        return int
+    if type_oid == BOOL_TYPE:
+        return _bool
+    if type_oid in FLOAT_TYPES:
+        return _float
+    if type_oid in JSON_TYPES:
+        return json.loads
+    return _text
+
+
+def to_json(type_oid: int, text: str | None) -> Any:
+    return None if text is None else converter(type_oid)(text)
 
 
 def key_text(values: Sequence[str | None]) -> str:
@@ -63,6 +81,12 @@ def change(
     headers["lsn"] = lsn
     message["headers"] = headers
     return message
+
+
+def headers(operation: str, txid: int) -> dict[str, str]:
+    """A transaction's headers for one operation, shared by its messages of that operation; its
+    `lsn` (the commit's, known at Commit) is filled in once for all of them."""
+    return {"operation": operation, "txid": str(txid), "lsn": ""}
 
 
 def control(name: str) -> dict[str, Any]:

@@ -193,24 +193,25 @@ def _tuple_at(data: bytes, at: int) -> tuple[tuple[Value, ...], int]:
     return tuple(values), at
 
 
-def decode(data: bytes) -> Message:
-    """One pgoutput message (the payload of an XLogData)."""
-    kind = data[:1]
+def decode(data: bytes, at: int = 0) -> Message:
+    """One pgoutput message: `data` from `at` (an XLogData's payload starts at 25, decoded in
+    place: a drain handles three messages per one-row transaction, so no copy and no reader)."""
+    kind = data[at]
     try:
-        if kind == b"I":
-            relation_id, marker = _RELATION_ID.unpack_from(data, 1)
+        if kind == 0x49:  # 'I'
+            relation_id, marker = _RELATION_ID.unpack_from(data, at + 1)
             if marker != b"N":
                 raise DecodeError("insert without a new tuple")
-            return Insert(relation_id, _tuple_at(data, 6)[0])
-        if kind == b"B":
-            final_lsn, commit_time, xid = _BEGIN.unpack_from(data, 1)
+            return Insert(relation_id, _tuple_at(data, at + 6)[0])
+        if kind == 0x42:  # 'B'
+            final_lsn, commit_time, xid = _BEGIN.unpack_from(data, at + 1)
             return Begin(final_lsn, commit_time, xid)
-        if kind == b"C":
-            commit_lsn, end_lsn, commit_time = _COMMIT.unpack_from(data, 1)
+        if kind == 0x43:  # 'C'
+            commit_lsn, end_lsn, commit_time = _COMMIT.unpack_from(data, at + 1)
             return Commit(commit_lsn, end_lsn, commit_time)
-        if kind == b"U":
-            relation_id, marker = _RELATION_ID.unpack_from(data, 1)
-            at = 6
+        if kind == 0x55:  # 'U'
+            relation_id, marker = _RELATION_ID.unpack_from(data, at + 1)
+            at += 6
             old = None
             if marker in (b"K", b"O"):
                 old, at = _tuple_at(data, at)
@@ -219,14 +220,14 @@ def decode(data: bytes) -> Message:
             if marker != b"N":
                 raise DecodeError("update without a new tuple")
             return Update(relation_id, old, _tuple_at(data, at)[0])
-        if kind == b"D":
-            relation_id, marker = _RELATION_ID.unpack_from(data, 1)
+        if kind == 0x44:  # 'D'
+            relation_id, marker = _RELATION_ID.unpack_from(data, at + 1)
             if marker not in (b"K", b"O"):
                 raise DecodeError("delete without an old key or row")
-            return Delete(relation_id, _tuple_at(data, 6)[0])
+            return Delete(relation_id, _tuple_at(data, at + 6)[0])
     except struct.error as error:
         raise DecodeError(f"message ends early: {error}") from None
-    return _decode_rare(bytes(data))
+    return _decode_rare(bytes(data[at:]))
 
 
 def _decode_rare(data: bytes) -> Message:
@@ -278,15 +279,27 @@ class Keepalive:
     reply_requested: bool
 
 
-def decode_copy(data: bytes | memoryview) -> XLogData | Keepalive:
-    kind = bytes(data[:1])
-    if kind == b"w":
-        start, wal_end, _sent = struct.unpack_from("!QQq", data, 1)
-        return XLogData(start, wal_end, bytes(data[25:]))
-    if kind == b"k":
-        wal_end, _sent, reply = struct.unpack_from("!QqB", data, 1)
-        return Keepalive(wal_end, bool(reply))
-    raise DecodeError(f"unknown replication message {kind!r}")
+XLOG_DATA = 0x77  # 'w': start LSN, WAL end, send time, then one pgoutput message (from byte 25)
+KEEPALIVE = 0x6B  # 'k': WAL end, send time, reply requested
+XLOG_PAYLOAD = 25
+_WAL_END = struct.Struct("!Q")
+_KEEPALIVE = struct.Struct("!QqB")
+
+
+def wal_end(data: bytes) -> int:
+    """An XLogData's WAL end (the server's position when it sent it)."""
+    return int(_WAL_END.unpack_from(data, 9)[0])
+
+
+def decode_copy(data: bytes) -> XLogData | Keepalive:
+    kind = data[0]
+    if kind == XLOG_DATA:
+        start, end, _sent = struct.unpack_from("!QQq", data, 1)
+        return XLogData(start, end, bytes(data[XLOG_PAYLOAD:]))
+    if kind == KEEPALIVE:
+        end, _sent, reply = _KEEPALIVE.unpack_from(data, 1)
+        return Keepalive(end, bool(reply))
+    raise DecodeError(f"unknown replication message {chr(kind)!r}")
 
 
 def standby_status(written: int, flushed: int, now_micros: int, reply: bool = False) -> bytes:

@@ -115,12 +115,13 @@ class ReplicationConnection:
             self.streaming = True
             return
 
-    def receive_nowait(self) -> XLogData | Keepalive | None:
-        """The next message libpq has already read, or None: no await and no cancel scope per
-        message, which dominated a drain's CPU (a slot holds many small messages)."""
+    def receive_nowait(self) -> bytes | None:
+        """The next CopyData libpq has already read (an XLogData or a keepalive, see
+        pgoutput.decode_copy), or None: no await and no cancel scope per message, which
+        dominated a drain's CPU (a slot holds many small messages)."""
         size, data = self.pgconn.get_copy_data(1)
         if size > 0:
-            return decode_copy(data)
+            return bytes(data)
         if size == 0:
             return None
         # -1: the server ended the copy (an error follows); -2: the connection failed.
@@ -135,9 +136,9 @@ class ReplicationConnection:
     async def receive(self) -> XLogData | Keepalive:
         """The next message from the server, waiting as long as it takes (the server sends a
         keepalive at least every wal_sender_timeout / 2)."""
-        while (message := self.receive_nowait()) is None:
+        while (data := self.receive_nowait()) is None:
             await self.wait()
-        return message
+        return decode_copy(data)
 
     async def send_status(self, written: int, flushed: int) -> None:
         now = int((time.time() - POSTGRES_EPOCH_UNIX) * 1_000_000)
