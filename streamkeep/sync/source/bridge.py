@@ -111,9 +111,13 @@ class Bridge:
 
     async def run(self) -> None:
         m = self.mapping
-        self.control = await trio.to_thread.run_sync(
+        self.control = control = await trio.to_thread.run_sync(
             lambda: psycopg.connect(m.dsn, autocommit=True), abandon_on_cancel=True
         )
+        # The checkpoint must be durable before the append it describes (a database whose
+        # default is synchronous_commit = off could lose it in a crash, and the restart would
+        # then send already-appended rows under a new epoch).
+        await blocking(control.execute, "SET synchronous_commit = on")
         store = self.store
         if not await blocking(store.try_lock, m.slot):
             raise BridgeBusy(f"mapping {m.name}: another bridge holds slot {m.slot} (advisory lock); waiting")
