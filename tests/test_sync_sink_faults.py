@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -66,37 +67,53 @@ mode = "{sink.mode}"
 
 def run_sync_until_killed(config: Path, crash_at: str) -> None:
     """`python -m streamkeep sync` with a crash point: it must SIGKILL itself there."""
-    done = subprocess.run(
+    child = subprocess.Popen(
         [sys.executable, "-m", "streamkeep", "sync", "--config", str(config), "--log-level", "warning"],
         env={**os.environ, "STREAMKEEP_SYNC_CRASH_AT": crash_at},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=30,
         cwd=serverproc.ROOT,
     )
-    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    try:
+        output, _ = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        output, _ = child.communicate()
+    assert child.returncode == -signal.SIGKILL, output
 
 
+@pytest.mark.parametrize("mode", ["log", "state"])
 @pytest.mark.parametrize("crash_at", ["sink.before_commit", "sink.after_commit"])
 async def test_the_sync_process_killed_around_its_commit_repeats_nothing_and_loses_nothing(
-    server: str, database: str, tmp_path: Path, crash_at: str
+    server: str, database: str, tmp_path: Path, crash_at: str, mode: str
 ) -> None:
-    sink = mapping(database, "crash", "log")
+    sink = mapping(database, f"crash_{mode}", mode)  # a stream of its own on the module's server
     config = config_file(tmp_path, server, sink)
+
+    def messages(numbers: range) -> list[Any]:
+        if mode == "log":
+            return [{"n": n} for n in numbers]
+        return [change("t", str(n % 4), n, "insert" if n < 4 else "update") for n in numbers]
+
     async with Client(server) as client:
         await client.stream(sink.stream).create(content_type="application/json")
-        await append(client, sink.stream, [{"n": n} for n in range(10)])
+        await append(client, sink.stream, messages(range(10)))
         await trio.to_thread.run_sync(run_sync_until_killed, config, crash_at)
-        first = stored_offset(database, "crash")
+        first = stored_offset(database, sink.name)
         if crash_at == "sink.before_commit":
             assert first == "-1"  # rolled back: nothing stored, nothing written
         else:
             assert first == (await client.stream(sink.stream).head()).next_offset
-        await append(client, sink.stream, [{"n": n} for n in range(10, 15)])
+        await append(client, sink.stream, messages(range(10, 15)))
         await trio.to_thread.run_sync(run_sync_until_killed, config, crash_at)
-        await append(client, sink.stream, [{"n": n} for n in range(15, 20)])
+        await append(client, sink.stream, messages(range(15, 20)))
         await run_until_caught_up(server, sink)
-        await assert_log_is_stream(client, sink)
+        if mode == "log":
+            await assert_log_is_stream(client, sink)
+        else:
+            await assert_state_is_fold(client, sink)
+            assert state_table(database, sink.table)[("t", "3")] == 19
 
 
 async def test_postgres_crashed_and_started_again(
