@@ -538,7 +538,7 @@ async def test_a_gap_no_batch_of_ours_fills_is_a_sequence_conflict(server: Serve
 
 async def test_retry_after_is_honoured_and_server_errors_are_retried(server: ServerProcess) -> None:
     """A 503 with `Retry-After: 1` makes the producer wait a second before the same seq goes
-    again; a 500 and a 429 are retried too; every item is written once."""
+    again; a 500, a 429 and a 507 are retried too; every item is written once."""
     path = await create(server)
 
     async def body(proxy: FaultProxy) -> None:
@@ -546,6 +546,7 @@ async def test_retry_after_is_honoured_and_server_errors_are_retried(server: Ser
             0: canned(503, "Service Unavailable", "Retry-After: 1"),
             1: canned(500, "Internal Server Error"),
             2: canned(429, "Too Many Requests", "Retry-After: 0"),
+            3: canned(507, "Insufficient Storage"),  # a full disk: appends resume once freed
         }
         seen: set[int] = set()
 
@@ -565,10 +566,11 @@ async def test_retry_after_is_honoured_and_server_errors_are_retried(server: Ser
                 assert anyio.current_time() - started >= 0.95
                 await p.append(b"1;")
                 await p.append(b"2;")
+                await p.append(b"3;")
 
     proxy = await with_proxy(server, body)
-    assert [r.seq for r in proxy.posts()] == [0, 0, 1, 1, 2, 2]
-    assert await read_all(server, path) == (b"0;1;2;", False)
+    assert [r.seq for r in proxy.posts()] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert await read_all(server, path) == (b"0;1;2;3;", False)
 
 
 async def test_close_stream_closes_with_the_last_batch_and_survives_a_lost_answer(
@@ -863,3 +865,19 @@ async def test_unwritten_appends_are_bounded_by_max_buffered_bytes(server: Serve
             await p.flush()
             assert (await big).status == 200
     assert await read_all(server, path) == (b"aaaaaabbbbbb" + b"c" * 20, False)
+
+
+async def test_pipelined_batches_over_http2_do_not_stall_on_flow_control(server: ServerProcess) -> None:
+    """httpcore stalls concurrent HTTP/2 uploads that wait for a flow-control window until its
+    read timeout (32 KiB batches, several in flight). Over HTTP/2 the producer keeps the bodies in
+    flight within the default window, so with no retries allowed every batch still goes through."""
+    path = await create(server)
+    async with Client(server.url, http2=True, timeout=5, retries=0) as client:
+        stream = client.stream(path, content_type="text/plain")
+        async with producer(
+            stream, max_batch_bytes=32 << 10, retry=RetryPolicy(attempts=0), linger=0.001
+        ) as p:
+            for n in range(3000):
+                await p.send(b"%099d;" % n)
+            await p.flush()
+    assert await read_all(server, path) == (b"".join(b"%099d;" % n for n in range(3000)), False)

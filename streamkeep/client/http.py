@@ -154,6 +154,7 @@ class HttpTransport:
         # Long-polls and SSE wait on the server (30 s and 60 s by default): their reads get longer.
         self.live_timeout = live_timeout
         self.retry = retry or RetryPolicy()
+        self.http2 = http2
         prior_knowledge = http2 and self.base_url.startswith("http://")
         self._client = httpx.AsyncClient(
             http1=not prior_knowledge,
