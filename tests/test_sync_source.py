@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from ops import serverproc
-from streamkeep.client import Client
+from streamkeep.client import Client, StaleEpoch
 from streamkeep.client.sync import Client as BlockingClient
 from streamkeep.sync import source
 from streamkeep.sync.config import PgToStream
@@ -267,9 +267,15 @@ def test_exactly_once_across_restarts(database: str, server: serverproc.ServerPr
     assert keys == [str(i) for i in range(1, 91)]
     with psycopg.connect(database) as conn:
         row = conn.execute(
-            "SELECT epoch, pending_seq FROM streamkeep_sync.checkpoints WHERE name = %s", (mapping.name,)
+            "SELECT epoch, pending_seq, producer_id FROM streamkeep_sync.checkpoints WHERE name = %s",
+            (mapping.name,),
         ).fetchone()
-    assert row == (1, None)  # epoch 0 from the snapshot, 1 after the second start took over
+    assert row is not None and row[:2] == (1, None)  # epoch 0 from the snapshot, 1 after the takeover
+    # The takeover fenced the old epoch on the server too: a paused first bridge's append is refused.
+    with BlockingClient(server.url) as client, pytest.raises(StaleEpoch):
+        client.stream(mapping.stream).append(
+            b"[]", headers={"Producer-Id": str(row[2]), "Producer-Epoch": "0", "Producer-Seq": "99"}
+        )
 
 
 def test_second_bridge_on_the_slot_is_refused(database: str, server: serverproc.ServerProcess) -> None:
