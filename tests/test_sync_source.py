@@ -143,7 +143,7 @@ async def wait_until(
                 await trio.sleep(0.05)
 
 
-async def keep_running(mapping: PgToStream, url: str, stats: MappingStats) -> None:
+async def keep_running(mapping: PgToStream, url: str, stats: MappingStats, retry: bool = True) -> None:
     """What the sync process does: `run` again after any failure but MappingStopped."""
     async with Client(url, retries=2) as client:
         while True:
@@ -152,19 +152,22 @@ async def keep_running(mapping: PgToStream, url: str, stats: MappingStats) -> No
             except MappingStopped:
                 raise
             except Exception as error:  # transient: Postgres down, slot busy ...
+                if not retry:
+                    raise
                 stats.last_error = repr(error)
                 stats.retries += 1
                 await trio.sleep(0.2)
 
 
 def with_bridge(
-    mapping: PgToStream, url: str, body: Callable[[MappingStats], Awaitable[Any]]
+    mapping: PgToStream, url: str, body: Callable[[MappingStats], Awaitable[Any]], retry: bool = True
 ) -> MappingStats:
+    """Runs `body` beside the bridge (restarted after transient failures unless not `retry`)."""
     stats = MappingStats(mapping.name, "pg_to_stream")
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(keep_running, mapping, url, stats)
+            nursery.start_soon(keep_running, mapping, url, stats, retry)
             await body(stats)
             nursery.cancel_scope.cancel()
 
@@ -481,8 +484,8 @@ def test_changed_primary_key_stops_the_mapping(database: str, server: serverproc
         await in_thread(execute, database, "INSERT INTO items (id, qty) VALUES (1, 1)")
         await trio.sleep(10)  # the bridge stops first
 
-    with pytest.raises(MappingStopped, match=f"streamkeep sync reset {mapping.name}"):
-        with_bridge(mapping, server.url, running)
+    with pytest.raises(MappingStopped, match=r"the primary key of public\.items changed"):
+        with_bridge(mapping, server.url, running, retry=False)  # stopped by the running bridge
     assert live(stream_messages(server.url, mapping.stream)) == []
 
     # Changed while no bridge ran: the checkpoint remembers the key the stream was made with.
@@ -549,3 +552,18 @@ def test_invalidated_slot_stops_the_mapping(database: str, server: serverproc.Se
 
     with pytest.raises(MappingStopped, match="invalidated"):
         trio.run(restarted)
+
+
+def test_truncate_of_the_mapping_is_a_reset(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS, "INSERT INTO items (id) VALUES (1), (2)")
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, "TRUNCATE items", "INSERT INTO items (id) VALUES (3)")
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 2)
+
+    with_bridge(mapping, server.url, body)
+    messages = stream_messages(server.url, mapping.stream)
+    assert [(op, key) for op, key, _ in live(messages)] == [("control", "reset"), ("insert", "3")]
+    assert fold(messages) == table_state(database)

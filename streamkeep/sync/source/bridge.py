@@ -283,9 +283,16 @@ class Bridge:
         on an fsync, here and on the server). The appender takes batches in order, one at a time:
         the checkpoint's single pending batch and the seq order need nothing more."""
         send, receive = trio.open_memory_channel[tuple[Batch, bool]](1)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._appender, receive)
-            await self._read(changes, rebuilding, send)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._appender, receive)
+                await self._read(changes, rebuilding, send)
+        except BaseExceptionGroup as group:
+            # One task failed and the other was cancelled: raise the failure as itself, so the
+            # caller sees a MappingStopped (or a transient error) rather than a group.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
 
     async def _appender(self, batches: trio.MemoryReceiveChannel[tuple[Batch, bool]]) -> None:
         async for batch, resend in batches:
