@@ -75,6 +75,8 @@ async def test_state_mode_table_is_the_fold_of_the_stream(server: str, database:
         stats = await run_until_caught_up(server, sink)
         await assert_state_is_fold(client, sink)
         assert stats.rows == 100 + 50 + 34 + 2 and stats.state == "streaming"
+        assert stats.position == (await client.stream(s).head()).next_offset
+        assert (stats.lag_bytes, stats.lag_seconds) == (0, 0.0)  # caught up
         # more after a restart: applied from the stored offset, exactly once
         await append(client, s, [change("item", "1", {"v": "again"}, "update")])
         await run_until_caught_up(server, sink)
