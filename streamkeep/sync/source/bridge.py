@@ -132,39 +132,17 @@ class Bridge:
             ) from error
         previous = await blocking(store.load)
         slot = await blocking(catalog.slot_state, self.control, m.slot)
+        if slot is not None and slot.database != control.info.dbname:
+            # Slot names are cluster-wide: another database's mapping of the same name owns it.
+            raise MappingStopped(
+                f"mapping {m.name}: replication slot {m.slot} belongs to database {slot.database}; "
+                f"give this mapping another `slot` (and `publication`)"
+            )
         if previous is None or previous.appended_lsn is None:
             start = await self._snapshot(previous, slot, tables, stream_was_new=created)
-            rebuilding = None
+            rebuilding = False
         else:
-            if slot is None:
-                raise MappingStopped(
-                    f"mapping {m.name}: replication slot {m.slot} is gone; {reset_hint(m.name)}"
-                )
-            if slot.wal_status == "lost":
-                raise MappingStopped(
-                    f"mapping {m.name}: replication slot {m.slot} was invalidated (WAL removed past "
-                    f"max_slot_wal_keep_size); {reset_hint(m.name)}"
-                )
-            if slot.active_pid is not None:
-                raise BridgeBusy(f"mapping {m.name}: slot {m.slot} is in use by backend {slot.active_pid}")
-            if created:
-                raise MappingStopped(
-                    f"mapping {m.name}: stream {m.stream} was deleted since the checkpoint (created again "
-                    f"now, empty); {reset_hint(m.name)}"
-                )
-            keys = {name: list(table.primary_key) for name, table in tables.items()}
-            if previous.keys and previous.keys != keys:
-                raise MappingStopped(
-                    f"mapping {m.name}: primary keys changed since the snapshot (were {previous.keys}, now "
-                    f"{keys}); {reset_hint(m.name)}"
-                )
-            self.checkpoint = await blocking(store.claim, previous, previous)
-            assert previous.appended_lsn is not None
-            start = previous.appended_lsn
-            rebuilding = previous.pending
-            if rebuilding is None:
-                await self._next_epoch()
-            self.replication = await ReplicationConnection.open(m.dsn)
+            start, rebuilding = await self._resume(previous, slot, tables, stream_was_new=created)
         self.confirmed = start
         self.stats.position = lsn_text(start)
         assert self.replication is not None
@@ -174,7 +152,7 @@ class Bridge:
             raise self._slot_error(error) from error
         log.info("mapping %s: streaming slot %s from %s", m.name, m.slot, lsn_text(start))
         self.stats.state = "streaming"
-        await self._stream(Changes(m.name, tables), rebuilding is not None)
+        await self._stream(Changes(m.name, tables), rebuilding)
 
     def _slot_error(self, error: ReplicationError) -> Exception:
         if error.sqlstate == "55000" and "can no longer" in str(error):
@@ -182,6 +160,44 @@ class Bridge:
                 f"mapping {self.mapping.name}: slot {self.mapping.slot} was invalidated: {error}; {reset_hint(self.mapping.name)}"
             )
         return error
+
+    async def _resume(
+        self,
+        previous: Checkpoint,
+        slot: catalog.SlotState | None,
+        tables: dict[str, catalog.TableInfo],
+        stream_was_new: bool,
+    ) -> tuple[int, bool]:
+        """Takes over a mapping whose snapshot is done: the checkpoint's generation bumped (a
+        paused older bridge can no longer write it), then either its pending batch is to be
+        rebuilt and re-sent under the old epoch (returns True), or the epoch is bumped now."""
+        m = self.mapping
+        if slot is None:
+            raise MappingStopped(f"mapping {m.name}: replication slot {m.slot} is gone; {reset_hint(m.name)}")
+        if slot.wal_status == "lost":
+            raise MappingStopped(
+                f"mapping {m.name}: replication slot {m.slot} was invalidated (WAL removed past "
+                f"max_slot_wal_keep_size); {reset_hint(m.name)}"
+            )
+        if slot.active_pid is not None:
+            raise BridgeBusy(f"mapping {m.name}: slot {m.slot} is in use by backend {slot.active_pid}")
+        if stream_was_new:
+            raise MappingStopped(
+                f"mapping {m.name}: stream {m.stream} was deleted since the checkpoint (created again "
+                f"now, empty); {reset_hint(m.name)}"
+            )
+        keys = {name: list(table.primary_key) for name, table in tables.items()}
+        if previous.keys and previous.keys != keys:
+            raise MappingStopped(
+                f"mapping {m.name}: primary keys changed since the snapshot (were {previous.keys}, now "
+                f"{keys}); {reset_hint(m.name)}"
+            )
+        self.checkpoint = await blocking(self.store.claim, previous, previous)
+        assert previous.appended_lsn is not None
+        if previous.pending is None:
+            await self._next_epoch()
+        self.replication = await ReplicationConnection.open(m.dsn)
+        return previous.appended_lsn, previous.pending is not None
 
     async def _next_epoch(self) -> None:
         assert self.checkpoint is not None
