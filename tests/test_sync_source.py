@@ -567,3 +567,38 @@ def test_truncate_of_the_mapping_is_a_reset(database: str, server: serverproc.Se
     messages = stream_messages(server.url, mapping.stream)
     assert [(op, key) for op, key, _ in live(messages)] == [("control", "reset"), ("insert", "3")]
     assert fold(messages) == table_state(database)
+
+
+def test_several_tables_and_a_composite_key(database: str, server: serverproc.ServerProcess) -> None:
+    execute(
+        database,
+        *ITEMS,
+        "CREATE TABLE pairs (a int, b text, v int, PRIMARY KEY (a, b))",
+        "ALTER TABLE pairs REPLICA IDENTITY FULL",
+        "INSERT INTO pairs VALUES (1, 'x', 0)",
+    )
+    mapping = mapping_for(database, tables=("public.items", "public.pairs"))
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(
+            execute,
+            database,
+            "INSERT INTO items (id) VALUES (7)",
+            "UPDATE pairs SET v = 1 WHERE a = 1",
+            "DELETE FROM pairs WHERE a = 1",
+        )
+        await wait_until(server.url, mapping.stream, lambda ms: len(live(ms)) >= 3)
+
+    with_bridge(mapping, server.url, body)
+    messages = stream_messages(server.url, mapping.stream)
+    assert [(m.get("type"), m.get("key")) for m in messages] == [
+        (None, None),
+        ("public.pairs", '["1","x"]'),
+        (None, None),
+        ("public.items", "7"),
+        ("public.pairs", '["1","x"]'),
+        ("public.pairs", '["1","x"]'),
+    ]
+    assert [m["headers"]["operation"] for m in messages[3:]] == ["insert", "update", "delete"]
+    assert messages[4]["value"] == {"a": 1, "b": "x", "v": 1}
