@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -602,3 +603,66 @@ def test_several_tables_and_a_composite_key(database: str, server: serverproc.Se
     ]
     assert [m["headers"]["operation"] for m in messages[3:]] == ["insert", "update", "delete"]
     assert messages[4]["value"] == {"a": 1, "b": "x", "v": 1}
+
+
+def test_without_snapshot_only_changes_flow(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS, "INSERT INTO items (id) VALUES (1)")
+    mapping = mapping_for(database, snapshot=False)
+
+    async def body(stats: MappingStats) -> None:
+        with trio.fail_after(10):
+            while stats.state != "streaming":
+                await trio.sleep(0.05)
+        await in_thread(execute, database, "INSERT INTO items (id) VALUES (2)")
+        await wait_until(server.url, mapping.stream, lambda ms: len(ms) >= 1)
+
+    with_bridge(mapping, server.url, body)
+    assert changes(stream_messages(server.url, mapping.stream)) == [
+        ("insert", "2", {"id": 2, "name": None, "qty": None, "price": None, "ok": None, "doc": None})
+    ]
+
+
+def _tuple(*values: str | None) -> bytes:
+    out = struct.pack("!h", len(values))
+    for value in values:
+        if value is None:
+            out += b"n"
+        elif value == "<unchanged>":
+            out += b"u"
+        else:
+            out += b"t" + struct.pack("!I", len(value.encode())) + value.encode()
+    return out
+
+
+def test_pgoutput_decodes_every_message_kind() -> None:
+    relation = (
+        b"R" + struct.pack("!I", 7) + b"public\0items\0f" + struct.pack("!h", 2)
+        + b"\x01id\0" + struct.pack("!Ii", 23, -1) + b"\x00body\0" + struct.pack("!Ii", 25, -1)
+    )  # fmt: skip
+    decoded = pgoutput.decode(relation)
+    assert isinstance(decoded, pgoutput.Relation) and decoded.qualified == "public.items"
+    assert [(c.name, c.type_oid, c.key) for c in decoded.columns] == [("id", 23, True), ("body", 25, False)]
+    update = b"U" + struct.pack("!I", 7) + b"O" + _tuple("1", "long") + b"N" + _tuple("1", "<unchanged>")
+    assert pgoutput.decode(b"xx" + update, 2) == pgoutput.Update(7, ("1", "long"), ("1", pgoutput.UNCHANGED))
+    assert pgoutput.decode(b"D" + struct.pack("!I", 7) + b"K" + _tuple("1", None)) == pgoutput.Delete(
+        7, ("1", None)
+    )
+    assert pgoutput.decode(b"T" + struct.pack("!IBII", 2, 1, 7, 8)) == pgoutput.Truncate((7, 8), True, False)
+    assert pgoutput.decode(b"O" + struct.pack("!Q", 5) + b"streamkeep_sync_x\0") == pgoutput.Origin(
+        5, "streamkeep_sync_x"
+    )
+    assert pgoutput.decode(b"Y" + struct.pack("!I", 99) + b"public\0mood\0") == pgoutput.TypeInfo(
+        99, "public", "mood"
+    )
+    assert pgoutput.decode(b"B" + struct.pack("!QqI", 10, 20, 30)) == pgoutput.Begin(10, 20, 30)
+    assert pgoutput.decode(b"C" + struct.pack("!BQQq", 0, 1, 2, 3)) == pgoutput.Commit(1, 2, 3)
+    with pytest.raises(pgoutput.DecodeError):
+        pgoutput.decode(b"I" + struct.pack("!I", 7) + b"N" + _tuple("1")[:-1])
+    with pytest.raises(pgoutput.DecodeError):
+        pgoutput.decode(b"Z")
+    keepalive = b"k" + struct.pack("!QqB", 77, 0, 1)
+    assert pgoutput.decode_copy(keepalive) == pgoutput.Keepalive(77, True)
+    xlog = b"w" + struct.pack("!QQq", 1, 88, 0) + b"B" + struct.pack("!QqI", 10, 20, 30)
+    assert pgoutput.wal_end(xlog) == 88 and pgoutput.decode(xlog, pgoutput.XLOG_PAYLOAD) == pgoutput.Begin(
+        10, 20, 30
+    )

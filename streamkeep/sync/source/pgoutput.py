@@ -180,6 +180,8 @@ def _tuple_at(data: bytes, at: int) -> tuple[tuple[Value, ...], int]:
             if kind == 0x74:  # 't': text
                 (size,) = _SIZE.unpack_from(data, at)
                 at += 4
+                if at + size > len(data):
+                    raise DecodeError("a value ends past the message")
                 values.append(data[at : at + size].decode("utf-8"))
                 at += size
             elif kind == 0x6E:  # 'n': NULL
