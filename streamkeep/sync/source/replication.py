@@ -50,6 +50,9 @@ class ReplicationConnection:
     def __init__(self, pgconn: pq.abc.PGconn) -> None:
         self.pgconn = pgconn
         self.streaming = False
+        # The bridge's reader (keepalive replies) and appender (confirms) both send status
+        # updates: two tasks waiting to write on one socket is an error in trio.
+        self.sending = trio.Lock()
 
     @classmethod
     async def open(cls, dsn: str) -> ReplicationConnection:
@@ -143,9 +146,10 @@ class ReplicationConnection:
     async def send_status(self, written: int, flushed: int) -> None:
         now = int((time.time() - POSTGRES_EPOCH_UNIX) * 1_000_000)
         message = standby_status(written, flushed, now)
-        while not self.pgconn.put_copy_data(message):
-            await trio.lowlevel.wait_writable(self.pgconn.socket)
-        await self._flush()
+        async with self.sending:
+            while not self.pgconn.put_copy_data(message):
+                await trio.lowlevel.wait_writable(self.pgconn.socket)
+            await self._flush()
 
     async def _flush(self) -> None:
         while self.pgconn.flush():
