@@ -9,7 +9,12 @@ Exactly once, per batch (whole transactions only, closed at `batch_rows` rows or
 A crash anywhere restarts from the checkpoint: transactions ending at or before `appended_lsn` are
 skipped (the slot may replay them: its position is persisted only at Postgres checkpoints), and a
 pending batch is rebuilt from the same transactions with the same encoding and re-sent under its
-seq. Then the epoch is bumped, so the server refuses (403) any append of a paused older bridge."""
+seq. Then the epoch is bumped, so the server refuses (403) any append of a paused older bridge.
+
+Two tasks: a reader that decodes the slot into batches, and an appender that does steps 1-4 for one
+batch at a time, in order; the reader goes on reading while a batch waits on its fsyncs. When no
+transaction is open, no batch is being built and none is with the appender, a keepalive's WAL end
+is confirmed as is: an idle publication lets Postgres recycle its WAL."""
 
 from __future__ import annotations
 
