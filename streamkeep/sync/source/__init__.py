@@ -39,11 +39,13 @@ def reset(mapping: PgToStream) -> str:
                 f"slot {mapping.slot} is in use by backend {slot.active_pid}: stop the sync first"
             )
         dropped = catalog.drop_slot(conn, mapping.slot)
-        catalog.drop_publication(conn, mapping.publication)
+        dropped_publication = catalog.drop_publication(conn, mapping.publication)
         deleted = store.delete()
     done = [
         f"slot {mapping.slot} dropped" if dropped else f"no slot {mapping.slot}",
-        f"publication {mapping.publication} dropped",
+        f"publication {mapping.publication} dropped"
+        if dropped_publication
+        else f"no publication {mapping.publication}",
         "checkpoint deleted" if deleted else "no checkpoint",
     ]
     return (

@@ -134,8 +134,11 @@ def drop_slot(conn: Conn, slot: str) -> bool:
     return row is not None
 
 
-def drop_publication(conn: Conn, publication: str) -> None:
+def drop_publication(conn: Conn, publication: str) -> bool:
+    if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone() is None:
+        return False
     conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(publication)))
+    return True
 
 
 def column_types(conn: Conn, table: str) -> list[tuple[str, int]]:
