@@ -247,15 +247,17 @@ class Sink:
         self.stats.last_error = f"410 at {stored.next_offset}: resynced from {earliest}"
 
     async def note_lag(self, last: Batch) -> None:
-        """lag_seconds: how long since the sink was last caught up (0 while it is); lag_bytes: the
-        tail's position minus ours, from a HEAD at most once a LAG_CHECK while behind."""
+        """lag_seconds: how long since the sink was last caught up, or started (0 while caught up):
+        the stream carries no append times, so this is how long it has been behind, an upper bound
+        of any message's wait. lag_bytes: the tail's position minus ours (offsets are byte
+        positions), from a HEAD at most once a LAG_CHECK while behind."""
         now = time.monotonic()
         if last.up_to_date:
             self.caught_up_at = now
             self.stats.lag_seconds = 0.0
             self.stats.lag_bytes = 0
             return
-        self.stats.lag_seconds = now - (self.caught_up_at or now)
+        self.stats.lag_seconds = now - self.caught_up_at
         if now - self.lag_checked_at < LAG_CHECK:
             return
         self.lag_checked_at = now
@@ -279,7 +281,7 @@ async def run(mapping: StreamToPg, client: Client, stats: MappingStats) -> None:
             options=SESSION_OPTIONS,
         )
     )
-    sink = Sink(mapping, names, client.stream(mapping.stream), conn, stats)
+    sink = Sink(mapping, names, client.stream(mapping.stream), conn, stats, caught_up_at=time.monotonic())
     try:
         while True:
             info = await sink.wait_for_stream()
