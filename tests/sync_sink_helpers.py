@@ -93,7 +93,7 @@ async def caught_up(client: Client, sink: StreamToPg) -> bool:
     return await trio.to_thread.run_sync(stored_offset, sink.dsn, sink.name) == tail
 
 
-async def wait_for(check: Callable[[], Any], timeout: float = 15.0) -> None:
+async def wait_for(check: Callable[[], Any], timeout: float = 30.0) -> None:
     with trio.fail_after(timeout):
         while not await check():
             await trio.sleep(0.05)
@@ -104,7 +104,7 @@ async def append(client: Client, name: str, messages: list[Any]) -> None:
     await client.stream(name).append(json.dumps(messages).encode(), content_type="application/json")
 
 
-async def run_until_caught_up(url: str, sink: StreamToPg, timeout: float = 15.0) -> MappingStats:
+async def run_until_caught_up(url: str, sink: StreamToPg, timeout: float = 30.0) -> MappingStats:
     """Runs the sink as the sync process does (restarted after failures) until it stored the tail."""
     stats = MappingStats(sink.name, "stream_to_pg")
 

@@ -12,10 +12,11 @@ import pytest
 import trio
 
 from ops import serverproc
-from streamkeep.client import Client
+from streamkeep.client import Batch, Client
 from streamkeep.sync import process
 from streamkeep.sync.sink import commit, offsets, reset, run
 from streamkeep.sync.sink.batch import Outcome
+from streamkeep.sync.sink.bridge import Sink
 from streamkeep.sync.sink.names import Names
 from streamkeep.sync.stats import MappingStats, MappingStopped
 from tests import postgres as pg_fixtures
@@ -283,8 +284,11 @@ async def test_a_stream_not_created_yet_is_waited_for(server: str, database: str
         stats = MappingStats(sink.name, "stream_to_pg")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(process.keep_running, sink, run, client, stats)
-            await trio.sleep(0.3)
-            assert stats.last_error and "waiting for it to be created" in stats.last_error
+
+            async def waiting() -> bool:
+                return "waiting for it to be created" in (stats.last_error or "")
+
+            await wait_for(waiting)
             await create(client, sink.stream)
             await append(client, sink.stream, [{"n": 1}])
             await wait_for(lambda: caught_up(client, sink))
@@ -376,3 +380,47 @@ async def test_a_byte_stream_in_log_mode_is_one_bytea_row_per_answer(server: str
         await run_until_caught_up(server, sink)
         rows = query(database, "SELECT message FROM raw ORDER BY stream_offset")
         assert b"".join(bytes(r[0]) for r in rows) == b"\x00\x01binarymore"
+
+
+async def test_long_poll_follows_the_tail_and_lag_is_measured(server: str, database: str) -> None:
+    sink = mapping(database, "polled", "log", live="long-poll")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        stats = MappingStats(sink.name, "stream_to_pg")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.keep_running, sink, run, client, stats)
+            for n in range(5):
+                await append(client, sink.stream, [{"n": n}])
+                await trio.sleep(0.05)
+            await wait_for(lambda: caught_up(client, sink))
+            nursery.cancel_scope.cancel()
+        await assert_log_is_stream(client, sink)
+        # lag while behind: the tail's byte position minus the applied one's (same incarnation)
+        first = (await client.stream(sink.stream).read_all())[0]
+        behind = Sink(sink, Names.of(sink), client.stream(sink.stream), None, stats)  # type: ignore[arg-type]
+        await behind.note_lag(Batch(b"x", None, "-1", first.next_offset, False, False, None))
+        tail = (await client.stream(sink.stream).head()).next_offset or ""
+        assert stats.lag_bytes == int(tail[-16:]) - int(first.next_offset[-16:]) == 0
+        await append(client, sink.stream, [{"n": 5}])
+        behind.lag_checked_at = 0.0
+        await behind.note_lag(Batch(b"x", None, "-1", first.next_offset, False, False, None))
+        assert stats.lag_bytes == len(b'{"n":5}') and stats.lag_seconds >= 0
+
+
+async def test_resync_in_log_mode_keeps_the_old_rows_and_adds_the_new_streams(
+    server: str, database: str
+) -> None:
+    sink = mapping(database, "relogged", "log", on_gone="resync")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(client, sink.stream, [{"old": 1}])
+        await run_until_caught_up(server, sink)
+        await client.stream(sink.stream).delete()
+        await create(client, sink.stream)
+        await append(client, sink.stream, [{"new": 1}, {"new": 2}])
+        await run_until_caught_up(server, sink)
+        rows = query(
+            database, "SELECT stream_offset, message FROM relogged ORDER BY applied_at, message_index"
+        )
+        assert [r[1] for r in rows] == [{"old": 1}, {"new": 1}, {"new": 2}]
+        assert rows[0][0][:16] != rows[1][0][:16]  # the two incarnations' offsets differ
