@@ -14,6 +14,7 @@ import trio
 from ops import serverproc
 from streamkeep.client import Batch, Client
 from streamkeep.sync import process
+from streamkeep.sync.config import StreamToPg
 from streamkeep.sync.sink import commit, offsets, reset, run
 from streamkeep.sync.sink.batch import Outcome
 from streamkeep.sync.sink.bridge import Sink
@@ -205,7 +206,7 @@ async def test_a_paused_old_sink_moves_nothing(server: str, database: str) -> No
         await run_until_caught_up(server, sink)
         names = Names.of(sink)
         with psycopg.connect(database) as conn:
-            now = offsets.load(conn, names)
+            now = offsets.load(conn, names, sink.stream)
             stale = offsets.Stored(offsets.BEGINNING, now.version - 1)
 
             def write(cur: psycopg.Cursor[Any]) -> Outcome:
@@ -214,7 +215,7 @@ async def test_a_paused_old_sink_moves_nothing(server: str, database: str) -> No
 
             with pytest.raises(offsets.Fenced):
                 commit.apply(conn, names, sink.stream, stale, "elsewhere", write)
-            assert offsets.load(conn, names) == now
+            assert offsets.load(conn, names, sink.stream) == now
         await assert_log_is_stream(client, sink)
 
 
@@ -424,3 +425,19 @@ async def test_resync_in_log_mode_keeps_the_old_rows_and_adds_the_new_streams(
         )
         assert [r[1] for r in rows] == [{"old": 1}, {"new": 1}, {"new": 2}]
         assert rows[0][0][:16] != rows[1][0][:16]  # the two incarnations' offsets differ
+
+
+async def test_a_mapping_pointed_at_another_stream_stops_until_reset(server: str, database: str) -> None:
+    first = mapping(database, "moved")
+    moved = StreamToPg(**{**first.__dict__, "stream": "moved-elsewhere"})
+    async with Client(server) as client:
+        for sink, key in ((first, "a"), (moved, "b")):
+            await create(client, sink.stream)
+            await append(client, sink.stream, [change("t", key, 1)])
+        await run_until_caught_up(server, first)
+        with trio.fail_after(10), pytest.raises(MappingStopped) as stopped:
+            await run(moved, client, MappingStats(moved.name, "stream_to_pg"))
+        assert "now names stream moved-elsewhere" in str(stopped.value)
+        await trio.to_thread.run_sync(reset, moved)
+        await run_until_caught_up(server, moved)
+        assert state_table(database, "moved") == {("t", "b"): 1}

@@ -286,7 +286,14 @@ async def run(mapping: StreamToPg, client: Client, stats: MappingStats) -> None:
         while True:
             info = await sink.wait_for_stream()
             await trio.to_thread.run_sync(sink.prepare, is_json_type(info.content_type))
-            stored = await trio.to_thread.run_sync(offsets.load, conn, names)
+            try:
+                stored = await trio.to_thread.run_sync(offsets.load, conn, names, mapping.stream)
+            except offsets.OtherStream as other:
+                raise MappingStopped(
+                    f"sync {mapping.name}: the stored offset is one of stream {other}, but the mapping now "
+                    f"names stream {mapping.stream}: run `streamkeep sync reset {mapping.name}` to apply "
+                    f"{mapping.stream} from its beginning ({mapping.table} is emptied as it starts)"
+                ) from None
             stats.position = stored.next_offset
             stats.last_error = None
             if stats.state == "starting":
@@ -303,7 +310,9 @@ def reset(mapping: StreamToPg) -> str:
         exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (mapping.offsets_table,)).fetchone()
         conn.commit()
         before = (
-            offsets.restart_from(conn, names, offsets.BEGINNING, clear=True) if exists and exists[0] else None
+            offsets.restart_from(conn, names, offsets.BEGINNING, clear=True, stream=mapping.stream)
+            if exists and exists[0]
+            else None
         )
     if before is None:
         return (

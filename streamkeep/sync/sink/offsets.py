@@ -55,16 +55,22 @@ def create(conn: psycopg.Connection, names: Names, stream: str) -> None:
     conn.commit()
 
 
-def load(conn: psycopg.Connection, names: Names) -> Stored:
+class OtherStream(Exception):
+    """The stored offset is one of another stream: the mapping was pointed at a new stream."""
+
+
+def load(conn: psycopg.Connection, names: Names, stream: str) -> Stored:
     row = conn.execute(
-        sql.SQL("SELECT next_offset, version, in_snapshot, clear_pending FROM {} WHERE mapping = %s").format(
-            names.offsets
-        ),
+        sql.SQL(
+            "SELECT next_offset, version, in_snapshot, clear_pending, stream FROM {} WHERE mapping = %s"
+        ).format(names.offsets),
         (names.mapping,),
     ).fetchone()
     conn.commit()
     if row is None:
         raise LookupError(f"no stored offset for mapping {names.mapping!r}")  # deleted by hand: start over
+    if row[4] != stream:
+        raise OtherStream(str(row[4]))
     return Stored(row[0], row[1], row[2], row[3])
 
 
@@ -101,10 +107,17 @@ def mark_snapshot(cur: psycopg.Cursor[tuple[object, ...]], names: Names, in_snap
 
 
 def restart_from(
-    conn: psycopg.Connection, names: Names, offset: str, *, clear: bool, before: Stored | None = None
+    conn: psycopg.Connection,
+    names: Names,
+    offset: str,
+    *,
+    clear: bool,
+    before: Stored | None = None,
+    stream: str | None = None,
 ) -> str | None:
     """Points the mapping at `offset` (the beginning for `reset`, the earliest offset for a
-    resync), the table to be cleared at the next commit when `clear`. With `before` it is a
+    resync), the table to be cleared at the next commit when `clear`, of `stream` when given (reset:
+    the mapping may name another stream now). With `before` it is a
     compare-and-set like `advance` (raises Fenced). Returns the offset it had, None when the
     mapping had no row (nothing to do)."""
     row = conn.execute(
@@ -119,9 +132,9 @@ def restart_from(
     conn.execute(
         sql.SQL(
             """UPDATE {} SET next_offset = %s, version = version + 1, in_snapshot = false,
-               clear_pending = %s, updated_at = now() WHERE mapping = %s"""
+               clear_pending = %s, stream = coalesce(%s, stream), updated_at = now() WHERE mapping = %s"""
         ).format(names.offsets),
-        (offset, clear, names.mapping),
+        (offset, clear, stream, names.mapping),
     )
     conn.commit()
     return str(row[0])
