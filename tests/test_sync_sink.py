@@ -441,3 +441,14 @@ async def test_a_mapping_pointed_at_another_stream_stops_until_reset(server: str
         await trio.to_thread.run_sync(reset, moved)
         await run_until_caught_up(server, moved)
         assert state_table(database, "moved") == {("t", "b"): 1}
+
+
+async def test_a_value_postgres_refuses_stops_the_mapping(server: str, database: str) -> None:
+    sink = mapping(database, "refused")
+    async with Client(server) as client:
+        await create(client, sink.stream)
+        await append(client, sink.stream, [change("t", "a", "nul \u0000 inside")])  # jsonb has no \u0000
+        with trio.fail_after(10), pytest.raises(MappingStopped) as stopped:
+            await run(sink, client, MappingStats(sink.name, "stream_to_pg"))
+        assert "Postgres refused the batch" in str(stopped.value)
+        assert stored_offset(database, "refused") == "-1"

@@ -209,7 +209,7 @@ class Sink:
         next_offset = parts[-1].next_offset
         try:
             outcome = commit.apply(self.conn, self.names, mapping.stream, stored, next_offset, write)
-        except psycopg.errors.DataError as error:  # a value Postgres refused that the checks let by
+        except (psycopg.errors.DataError, UnicodeDecodeError) as error:  # what the checks let by
             raise MappingStopped(
                 f"sync {mapping.name}: Postgres refused the batch at offset {parts[0].offset}: {error}. "
                 f"The stored offset stays at {stored.next_offset}."
