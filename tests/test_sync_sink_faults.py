@@ -65,6 +65,11 @@ mode = "{sink.mode}"
     return path
 
 
+def spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(command, cwd=serverproc.ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
 def run_sync_until_killed(config: Path, crash_at: str) -> None:
     """`python -m streamkeep sync` with a crash point: it must SIGKILL itself there."""
     child = subprocess.Popen(
@@ -198,3 +203,40 @@ async def test_retention_passing_the_stored_offset_stops_or_resyncs(database: st
             assert ("t", "first") not in state_table(database, "kept_resync")
     finally:
         streamkeep.stop()
+
+
+async def test_a_paused_sync_process_woken_after_another_took_over_applies_nothing_twice(
+    server: str, database: str, tmp_path: Path
+) -> None:
+    """SIGSTOP one sync process, let a second one take over the mapping, SIGCONT the first: it
+    holds batches read from its old offset, and its compare-and-set refuses them."""
+    sink = mapping(database, "paused", "log")
+    config = config_file(tmp_path, server, sink)
+    command = [sys.executable, "-m", "streamkeep", "sync", "--config", str(config), "--log-level", "warning"]
+    async with Client(server) as client:
+        await client.stream(sink.stream).create(content_type="application/json")
+        await append(client, sink.stream, [{"n": n} for n in range(10)])
+        first = spawn(command, tmp_path / "first.log")
+        second: subprocess.Popen[bytes] | None = None
+        try:
+            await wait_for(lambda: caught_up(client, sink))
+            first.send_signal(signal.SIGSTOP)
+            await append(client, sink.stream, [{"n": n} for n in range(10, 20)])
+            second = spawn(command, tmp_path / "second.log")
+            await wait_for(lambda: caught_up(client, sink))
+            first.send_signal(signal.SIGCONT)  # it had (or now reads) the same batch, from the old offset
+            for n in range(20, 30):
+                await append(client, sink.stream, [{"n": n}])
+                await trio.sleep(0.05)
+            await wait_for(lambda: caught_up(client, sink))
+            await trio.sleep(0.5)  # time for a late, refused commit of either
+        finally:
+            for child in (first, second):
+                if child is not None:
+                    child.send_signal(signal.SIGCONT)
+                    child.terminate()
+                    child.wait(10)
+        await assert_log_is_stream(client, sink)
+        # the woken one was refused by the compare-and-set (or found the origin busy), then went on
+        said = (tmp_path / "first.log").read_text()
+        assert "changed under this sink" in said or "uses replication origin" in said, said
