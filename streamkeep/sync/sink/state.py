@@ -1,11 +1,12 @@
 """State mode: State Protocol messages (seed 001) folded into a `(type, key) -> value` table.
 
 The work per message is done by Postgres, not Python: each read answer's body (a JSON array, read
-raw) is sent as one parameter and unpacked, checked and classified by one INSERT ... SELECT from
-`jsonb_array_elements` into a temporary table. Python then only sees the few rows that matter
-(controls and misfits), and writes each run of changes between them with one statement: the last
-change per (type, key) wins (DISTINCT ON), upserted with ON CONFLICT or deleted. Measured here,
-this doubled the messages per second over folding in Python and COPYing the result.
+raw) is sent as one parameter. An answer without control messages (nearly all) is unpacked,
+checked, folded and written by one statement (FAST): the last change per (type, key) wins
+(DISTINCT ON), upserted with ON CONFLICT or deleted, and the misfits come back. An answer that may
+hold one (its bytes contain `"control"`) is unpacked into a temporary table instead, and each run of
+changes between its controls is written the same way. On this 2-core machine, under load, the sink
+went from ~20k to ~35k messages/s against folding in Python and COPYing the result.
 
 Snapshots: between `snapshot-start` and `snapshot-end` changes go to a staging table (it may take
 many transactions, and a crash in between resumes it: `in_snapshot` is stored with the offset);
