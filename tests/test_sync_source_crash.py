@@ -14,9 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psycopg
 import pytest
@@ -44,6 +45,7 @@ from tests.test_sync_source import (
 postgres = pg_fixtures.postgres
 database = pg_fixtures.database
 ROOT = Path(__file__).resolve().parent.parent
+_logs: dict[int, IO[bytes]] = {}  # each child's stderr
 RUNNER = """
 import json, sys, trio
 from streamkeep.client import Client
@@ -70,18 +72,38 @@ def child(mapping: PgToStream, url: str, crash_at: str | None = None) -> subproc
     env = {k: v for k, v in os.environ.items() if k != "STREAMKEEP_SYNC_CRASH_AT"}
     if crash_at:
         env["STREAMKEEP_SYNC_CRASH_AT"] = crash_at
-    return subprocess.Popen(
+    log = tempfile.TemporaryFile()  # a file, not a pipe nobody drains: a full pipe would block it
+    process = subprocess.Popen(
         [sys.executable, "-c", RUNNER, json.dumps(dataclasses.asdict(mapping)), url],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
     )
+    _logs[process.pid] = log
+    return process
 
 
-def kill(process: subprocess.Popen[bytes]) -> None:
+def kill(process: subprocess.Popen[bytes]) -> str:
+    """SIGKILLs the child (if still there); returns what it wrote to stderr."""
     process.send_signal(signal.SIGKILL)
     process.wait(10)
+    log = _logs.pop(process.pid, None)
+    if log is None:
+        return ""
+    with log:
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
+
+def crashed(process: subprocess.Popen[bytes], timeout: float = 40) -> None:
+    """Waits for the child to kill itself at its crash point; says what it printed if it did not."""
+    try:
+        code: int | None = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    output = kill(process)
+    assert code == -signal.SIGKILL, f"exit {code} instead of the crash point's SIGKILL:\n{output[-3000:]}"
 
 
 def write(dsn: str, first: int, transactions: int, rows: int = 3) -> int:
@@ -108,7 +130,7 @@ def test_killed_at_each_crash_point(point: str, database: str, server: serverpro
     with_bridge(mapping, server.url, lambda stats: wait_until(server.url, mapping.stream, snapshot_done))
     next_id = write(database, 1, 10)  # waiting in the slot: 4 batches
     crashing = child(mapping, server.url, crash_at=f"{point}:2")  # the second batch
-    assert crashing.wait(20) == -signal.SIGKILL, crashing.stderr.read() if crashing.stderr else ""
+    crashed(crashing)
     # Whole transactions only (batches close on rows or on batch_wait, which a loaded machine
     # may reach first): the first batch, and the second where the kill came after its append.
     after_crash = [key for _, key, _ in live(stream_messages(server.url, mapping.stream))]
@@ -189,7 +211,7 @@ def test_killed_mid_snapshot_starts_it_over_behind_a_reset(
     write(database, 1, 1, rows=40)
     mapping = mapping_for(database, batch_rows=10)
     crashing = child(mapping, server.url, crash_at="source.snapshot_append:2")
-    assert crashing.wait(20) == -signal.SIGKILL
+    crashed(crashing)
     partial = live(stream_messages(server.url, mapping.stream))
     assert partial[0] == ("control", "snapshot-start", None) and len(partial) == 21  # 2 batches
     write(database, 41, 1)  # in the new snapshot

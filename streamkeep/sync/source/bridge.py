@@ -1,7 +1,12 @@
 """One Postgres -> stream mapping, run until cancelled: take the mapping over (advisory lock, then
 the checkpoint's generation), snapshot if there is no finished checkpoint, then stream the slot.
 
-Exactly once, per batch (whole transactions only, closed at `batch_rows` rows or `batch_wait`):
+Batches hold whole transactions. One closes at a transaction's end when the appender is free (so
+a quiet mapping appends each commit at once, and a busy one's batches grow while the previous
+append is under way, like a group commit), else when it holds `batch_rows` rows or its first row
+has waited `batch_wait`.
+
+Exactly once, per batch:
   1. the checkpoint records the batch as pending (its seq and its last transaction's commit end),
   2. the batch is appended with Producer-Id/Epoch/Seq (a retry is a duplicate the server drops),
   3. the checkpoint moves `appended_lsn` to the batch's end and the seq on,
@@ -354,7 +359,11 @@ class Bridge:
             received = replication.receive_nowait()
             if received is None:
                 now = time.monotonic()
-                if batch.rows and not rebuilding and now - batch.opened_at >= m.batch_wait:
+                if (
+                    batch.rows
+                    and not rebuilding
+                    and (not self.in_flight or now - batch.opened_at >= m.batch_wait)
+                ):
                     await self._hand_over(send, batch)
                     batch = Batch()
                     last_status = time.monotonic()
@@ -418,7 +427,11 @@ class Bridge:
                     await self._hand_over(send, batch, resend=True)
                     batch = Batch()
                     rebuilding = False
-                elif batch.rows >= m.batch_rows or time.monotonic() - batch.opened_at >= m.batch_wait:
+                elif (
+                    not self.in_flight
+                    or batch.rows >= m.batch_rows
+                    or time.monotonic() - batch.opened_at >= m.batch_wait
+                ):
                     await self._hand_over(send, batch)
                     batch = Batch()
                     last_status = time.monotonic()
