@@ -667,3 +667,28 @@ def test_pgoutput_decodes_every_message_kind() -> None:
     assert pgoutput.wal_end(xlog) == 88 and pgoutput.decode(xlog, pgoutput.XLOG_PAYLOAD) == pgoutput.Begin(
         10, 20, 30
     )
+
+
+def test_writes_during_the_snapshot_arrive_once(database: str, server: serverproc.ServerProcess) -> None:
+    execute(database, *ITEMS, "INSERT INTO items (id, qty) SELECT i, 0 FROM generate_series(1, 3000) i")
+    mapping = mapping_for(database, batch_rows=100)
+
+    def write_during() -> None:
+        for i in range(40):
+            execute(
+                database,
+                f"INSERT INTO items (id, qty) VALUES ({10_000 + i}, 1)",
+                f"UPDATE items SET qty = qty + 1 WHERE id = {1 + i * 70}",
+            )
+
+    async def body(stats: MappingStats) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread, write_during)  # while the copy runs
+        expected = await in_thread(table_state, database)
+        await wait_until(server.url, mapping.stream, lambda ms: snapshot_done(ms) and fold(ms) == expected)
+
+    with_bridge(mapping, server.url, body)
+    messages = stream_messages(server.url, mapping.stream)
+    assert fold(messages) == table_state(database)
+    inserted = [m["key"] for m in messages if m.get("headers", {}).get("operation") == "insert"]
+    assert len(inserted) == len(set(inserted)) == 3040  # each row inserted once: in the copy or after it
