@@ -106,6 +106,7 @@ class Bridge:
         self.confirmed = 0  # the slot's flush position we have confirmed (or will, at the next status)
         self.sent_status = 0
         self.in_flight = 0  # batches handed to the appender and not yet confirmed
+        self.waiting: trio.CancelScope | None = None  # the reader's wait on the socket, holding a batch
         self.server_wal_end = 0
 
     def close(self) -> None:
@@ -326,6 +327,8 @@ class Bridge:
             if resend:
                 await self._next_epoch()  # the old epoch's last batch is settled: fence it
             self.in_flight -= 1
+            if not self.in_flight and self.waiting is not None:
+                self.waiting.cancel()  # the reader holds a batch: hand it over now
 
     async def _hand_over(
         self, send: trio.MemorySendChannel[tuple[Batch, bool]], batch: Batch, resend: bool = False
@@ -375,8 +378,11 @@ class Bridge:
                     timeout = batch.opened_at + m.batch_wait - now
                 else:
                     timeout = last_status + STATUS_EVERY - now
-                with trio.move_on_after(max(0.0, timeout)):
+                with trio.move_on_after(max(0.0, timeout)) as scope:
+                    # A batch waiting here is closed as soon as the appender is free: it cancels this.
+                    self.waiting = scope if batch.rows else None
                     await replication.wait()
+                self.waiting = None
                 continue
             if received[0] != XLOG_DATA:
                 keepalive = decode_copy(received)
