@@ -3,12 +3,11 @@ the append, after the append, and after the checkpoint; Postgres stopped `-m imm
 streamkeep killed and restarted on its disk. Each ends with the stream holding every committed
 transaction exactly once, in commit order.
 
-The bridge runs in a child process (a small runner around `source.run`, so a kill ends it the way
-a kill ends `streamkeep sync`)."""
+The bridge runs as the real `python -m streamkeep sync --config F` in a child process (which
+restarts a mapping after a transient failure, as in production), killed with SIGKILL."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -46,19 +45,6 @@ postgres = pg_fixtures.postgres
 database = pg_fixtures.database
 ROOT = Path(__file__).resolve().parent.parent
 _logs: dict[int, IO[bytes]] = {}  # each child's stderr
-RUNNER = """
-import json, sys, trio
-from streamkeep.client import Client
-from streamkeep.sync import source
-from streamkeep.sync.config import PgToStream
-from streamkeep.sync.stats import MappingStats
-spec = json.loads(sys.argv[1])
-mapping = PgToStream(**{**spec, "tables": tuple(spec["tables"])})
-async def main():
-    async with Client(sys.argv[2]) as client:
-        await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
-trio.run(main)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +58,16 @@ def child(mapping: PgToStream, url: str, crash_at: str | None = None) -> subproc
     env = {k: v for k, v in os.environ.items() if k != "STREAMKEEP_SYNC_CRASH_AT"}
     if crash_at:
         env["STREAMKEEP_SYNC_CRASH_AT"] = crash_at
+    config = Path(tempfile.mkdtemp()) / "sync.toml"
+    config.write_text(
+        f'[streamkeep]\nurl = "{url}"\n[sync]\nport = 0\n[[pg_to_stream]]\nname = "{mapping.name}"\n'
+        f'dsn = "{mapping.dsn}"\ntables = {json.dumps(list(mapping.tables))}\nstream = "{mapping.stream}"\n'
+        f'slot = "{mapping.slot}"\npublication = "{mapping.publication}"\nbatch_rows = {mapping.batch_rows}\n'
+        f'batch_wait = "{int(mapping.batch_wait * 1000)}ms"\n'
+    )
     log = tempfile.TemporaryFile()  # a file, not a pipe nobody drains: a full pipe would block it
     process = subprocess.Popen(
-        [sys.executable, "-c", RUNNER, json.dumps(dataclasses.asdict(mapping)), url],
+        [sys.executable, "-m", "streamkeep", "sync", "--config", str(config), "--log-level", "warning"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -192,10 +185,8 @@ def test_streamkeep_killed_and_restarted(database: str, tmp_path: Path) -> None:
         streamkeep.stop(signal.SIGKILL)
         next_id = write(database, next_id, 5)  # the bridge's appends fail while streamkeep is down
         streamkeep = serverproc.start(*args)
-        # The runner has no retry loop (the sync process has): a failed bridge is started again,
-        # and one still retrying is killed wherever it is, one more crash.
-        kill(bridge)
-        bridge = child(mapping, streamkeep.url)
+        # The same sync process goes on: its failed appends are retried (the mapping restarted
+        # from its checkpoint, with backoff) until streamkeep is back on the same port.
         write(database, next_id, 5)
         messages = wait_for_rows(streamkeep.url, mapping.stream, 45, timeout=30)
     finally:
