@@ -692,3 +692,22 @@ def test_writes_during_the_snapshot_arrive_once(database: str, server: serverpro
     assert fold(messages) == table_state(database)
     inserted = [m["key"] for m in messages if m.get("headers", {}).get("operation") == "insert"]
     assert len(inserted) == len(set(inserted)) == 3040  # each row inserted once: in the copy or after it
+
+
+def test_table_dropped_under_a_running_bridge_stops_it(
+    database: str, server: serverproc.ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamkeep.sync.source import bridge
+
+    monkeypatch.setattr(bridge, "STATUS_EVERY", 0.1)  # the idle loop's period, and so its table check
+    monkeypatch.setattr(bridge, "TABLE_CHECK_EVERY", 0.1)
+    execute(database, *ITEMS)
+    mapping = mapping_for(database)
+
+    async def body(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+        await in_thread(execute, database, "DROP TABLE items")
+        await trio.sleep(10)  # the bridge stops first
+
+    with pytest.raises(MappingStopped, match="does not exist"):
+        with_bridge(mapping, server.url, body, retry=False)

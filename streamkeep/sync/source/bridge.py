@@ -374,6 +374,11 @@ class Bridge:
                 if now - last_status >= STATUS_EVERY:
                     await self._send_status()
                     last_status = now
+                if not batch.rows and transaction is None and now - last_table_check >= TABLE_CHECK_EVERY:
+                    # DDL is not streamed: a dropped or renamed table is seen here (a quiet slot's
+                    # keepalives may be minutes apart).
+                    await blocking(catalog.check_tables, self.control, m.name, m.tables)
+                    last_table_check = time.monotonic()
                 if batch.rows and not rebuilding:
                     timeout = batch.opened_at + m.batch_wait - now
                 else:
