@@ -55,11 +55,13 @@ def wait_for(check: Any, seconds: float = 30) -> None:
         time.sleep(0.1)
 
 
-def healthy(port: int) -> bool:
+def streaming(port: int) -> bool:
+    """Every mapping past its start: the source's slot made and its snapshot copied."""
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
+        mappings = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()["mappings"]
+    except (httpx.HTTPError, ValueError):
         return False
+    return all(m["state"] == "streaming" for m in mappings.values())
 
 
 def test_both_directions_through_the_front_door_over_http2_with_auth(
@@ -90,7 +92,7 @@ def test_both_directions_through_the_front_door_over_http2_with_auth(
         with Client(front_door.front, token=ADMIN, http2=True) as client:
             events = client.stream("session-events")
             events.create(content_type="application/json")
-            wait_for(lambda: healthy(port))
+            wait_for(lambda: streaming(port))  # changes made earlier would be in the snapshot
             with psycopg.connect(database, autocommit=True) as conn:
                 conn.execute("INSERT INTO items VALUES (2, 'after')")
                 conn.execute("UPDATE items SET name = 'changed' WHERE id = 1")
@@ -113,6 +115,8 @@ def test_both_directions_through_the_front_door_over_http2_with_auth(
 
             def session_rows() -> list[Any]:
                 with psycopg.connect(database, autocommit=True) as conn:
+                    if conn.execute("SELECT to_regclass('session_events')").fetchone() == (None,):
+                        return []  # the sink has not created it yet
                     return conn.execute(
                         "SELECT message FROM session_events ORDER BY stream_offset, message_index"
                     ).fetchall()

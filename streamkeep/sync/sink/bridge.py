@@ -29,6 +29,7 @@ from streamkeep.sync.stats import MappingStats, MappingStopped
 
 MAX_MESSAGES = 50_000  # per transaction, when answers queue up ...
 MAX_BYTES = 16 << 20  # ... or this many bytes of them
+DDL_ATTEMPTS = 5  # tries at creating the tables when other mappings create theirs at the same moment
 WAIT_FOR_STREAM = 1.0  # seconds between HEADs while the stream does not exist
 LAG_CHECK = 1.0  # seconds between HEADs for lag_bytes while behind
 # work_mem: a batch's fold sorts up to MAX_MESSAGES rows, in memory rather than temporary files.
@@ -67,7 +68,26 @@ class Sink:
                 await trio.sleep(WAIT_FOR_STREAM)
 
     def prepare(self, json_stream: bool) -> None:
-        """Blocking: origin, offsets row, tables (created if missing), checked against the stream."""
+        """Blocking: origin, offsets row, tables (created if missing), checked against the stream.
+        Mappings starting together race to create the shared schema and tables: Postgres answers
+        the loser of a concurrent `CREATE ... IF NOT EXISTS` with a unique violation, so it looks
+        again once the winner committed."""
+        for attempt in range(DDL_ATTEMPTS):
+            try:
+                self._prepare(json_stream)
+                return
+            except (
+                psycopg.errors.UniqueViolation,
+                psycopg.errors.DuplicateObject,
+                psycopg.errors.DuplicateSchema,
+                psycopg.errors.DuplicateTable,
+            ) as error:
+                self.conn.rollback()
+                if attempt + 1 == DDL_ATTEMPTS:
+                    raise error
+                time.sleep(0.05 * (attempt + 1))
+
+    def _prepare(self, json_stream: bool) -> None:
         mapping, names = self.mapping, self.names
         if mapping.mode == "state" and not json_stream:
             raise MappingStopped(
