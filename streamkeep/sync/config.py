@@ -45,8 +45,10 @@ class PgToStream:
     stream: str
     slot: str
     publication: str
-    batch_rows: int = 1000  # a batch is appended when it holds this many rows ...
-    batch_wait: float = 0.05  # ... or its first row has waited this long (seconds)
+    # A batch closes when the previous append is done (group commit); while one is out, at
+    # batch_rows rows or once its first row has waited batch_wait seconds.
+    batch_rows: int = 1000
+    batch_wait: float = 0.05
     snapshot: bool = True  # copy the tables' rows first (between snapshot-start and snapshot-end)
     checkpoint_table: str = "streamkeep_sync.checkpoints"
 
