@@ -8,6 +8,7 @@ a busy owner's rounds are acknowledged in groups, as its own commits are).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -173,5 +174,11 @@ def follow(sock: socket.socket, copy: Copy) -> None:
             if barrier:
                 copy.sync()
                 sock.sendall(wire.ACK.pack(barrier))
+    except Exception:
+        # The owner must learn now that this copy stopped applying, not after its ack timeout:
+        # every sync it makes meanwhile would wait for an acknowledgement that never comes.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        raise
     finally:
         copy.close()

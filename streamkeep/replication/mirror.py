@@ -331,6 +331,11 @@ class MirrorFileSystem:
                     names = self.inner.listdir(absolute)
                     link.queue(wire.encode(wire.Op(wire.MKDIR, relative)))
                 else:
+                    if not self.inner.exists(absolute):
+                        # Removed since its directory was listed (an rmdir or an unlink the place
+                        # has forgotten already, or not): sending it would create a file that is
+                        # not there, in a directory the owner may remove next.
+                        raise FileNotFoundError(absolute)
                     flags = wire.create_flags(True, _mode(self.root, relative))
                     link.queue(wire.encode(wire.Op(wire.CREATE, relative, number=flags)))
                     place.send_from_start(entry)
@@ -558,6 +563,7 @@ class MirrorFileSystem:
             if relative not in (None, "."):
                 assert relative is not None
                 self._queue(wire.Op(wire.RMDIR, relative))
+                self._forget(relative)  # the copier must not visit it (nor anything it listed in it)
 
     def fsync(self, fd: int) -> None:
         self._synced(lambda: self.inner.fsync(fd))
