@@ -182,7 +182,7 @@ def test_json_flattens_one_level() -> None:
     assert jsonmode.split_messages(b'"x"', allow_empty_array=False) == [b'"x"']
 
 
-@pytest.mark.parametrize("body", [b"{", b"NaN", b"[1,]", b"\xff", b"[]"])
+@pytest.mark.parametrize("body", [b"{", b"NaN", b"[1,]", b"\xff", b"[]", b"[1e400]", b'{"v": -1e999}'])
 def test_invalid_json_and_empty_arrays_are_400(body: bytes) -> None:
     with pytest.raises(ProtocolError) as caught:
         jsonmode.split_messages(body, allow_empty_array=False)

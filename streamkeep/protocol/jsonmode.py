@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from streamkeep.protocol.errors import bad_request
 
@@ -11,7 +12,16 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-_decoder = json.JSONDecoder(parse_constant=_reject_constant)
+def _finite(text: str) -> float:
+    # 1e400 is JSON by its grammar, but a message is stored re-encoded, and a float that overflows
+    # has no JSON form: refused as the client's error (400), never a failed encode (500).
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+_decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
 _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
