@@ -24,8 +24,6 @@ from tests.postgres import database, postgres  # noqa: F401
 from tests.test_auth import SECRET, token
 from tests.test_cluster import Cluster
 
-ADMIN = token("admin", sub="sync")
-
 
 class AuthCluster(Cluster):
     def start_member(self, member: str) -> None:
@@ -69,6 +67,7 @@ def test_both_directions_through_the_front_door_over_http2_with_auth(
     database: str,  # noqa: F811
     tmp_path: Path,
 ) -> None:
+    admin = token("admin", sub="sync")  # made now: a token made at import expires in a long run
     with psycopg.connect(database, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id integer PRIMARY KEY, name text NOT NULL)")
         conn.execute("ALTER TABLE items REPLICA IDENTITY FULL")  # text could be TOASTed: whole rows
@@ -83,13 +82,13 @@ def test_both_directions_through_the_front_door_over_http2_with_auth(
     )
     sync = subprocess.Popen(
         [sys.executable, "-m", "streamkeep", "sync", "--config", str(config)],
-        env={**os.environ, "STREAMKEEP_TOKEN": ADMIN},
+        env={**os.environ, "STREAMKEEP_TOKEN": admin},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        with Client(front_door.front, token=ADMIN, http2=True) as client:
+        with Client(front_door.front, token=admin, http2=True) as client:
             events = client.stream("session-events")
             events.create(content_type="application/json")
             wait_for(lambda: streaming(port))  # changes made earlier would be in the snapshot

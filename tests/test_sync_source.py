@@ -711,3 +711,14 @@ def test_table_dropped_under_a_running_bridge_stops_it(
 
     with pytest.raises(MappingStopped, match="does not exist"):
         with_bridge(mapping, server.url, body, retry=False)
+
+
+def test_json_numbers_past_a_floats_range_keep_their_text() -> None:
+    """Postgres' json takes 1e400; a float has no JSON form for it and the server refuses what it
+    cannot store, which held the slot (and Postgres' WAL) for ever. Its text goes instead, as a
+    float column's Infinity does, and the batch is valid JSON."""
+    value = encode.to_json(114, '{"big": 1e400, "small": -1e999, "ok": 0.5, "n": [2e308]}')
+    assert value == {"big": "1e400", "small": "-1e999", "ok": 0.5, "n": ["2e308"]}
+    assert encode.to_json(701, "Infinity") == "Infinity" and encode.to_json(701, "1.5") == 1.5
+    body = encode.payload([encode.change("public.t", "1", "insert", {"j": value}, 7, "0/1")])
+    assert b"Infinity" not in body and b'"big":"1e400"' in body

@@ -32,7 +32,15 @@ from typing import Any, TypeVar
 import psycopg
 import trio
 
-from streamkeep.client import Client, PayloadTooLarge, SequenceConflict, Stream, StreamExists, StreamNotFound
+from streamkeep.client import (
+    BadRequest,
+    Client,
+    PayloadTooLarge,
+    SequenceConflict,
+    Stream,
+    StreamExists,
+    StreamNotFound,
+)
 from streamkeep.sync.config import PgToStream
 from streamkeep.sync.crashpoints import crash_point
 from streamkeep.sync.source import catalog, encode
@@ -291,8 +299,16 @@ class Bridge:
         except PayloadTooLarge as error:
             raise MappingStopped(
                 f"mapping {self.mapping.name}: a batch of {len(messages)} messages is over the server's body "
-                f"limit; raise the server's --max-body-bytes (a pending batch is re-sent whole) or lower "
-                f"batch_rows for the batches after it"
+                f"limit, and a batch never splits a transaction: raise the server's --max-body-bytes above "
+                f"the largest transaction's size (the pending batch is re-sent whole), then start the sync"
+            ) from error
+        except BadRequest as error:
+            # The server refuses these bytes and always will (a value it cannot store): retrying
+            # would hold the slot, and with it Postgres' WAL, for ever.
+            raise MappingStopped(
+                f"mapping {self.mapping.name}: the server refused a batch of {len(messages)} messages: "
+                f"{error.message}; fix or remove the row (tables {', '.join(self.mapping.tables)}), then "
+                f"{reset_hint(self.mapping.name)}"
             ) from error
         except (SequenceConflict, StreamNotFound) as error:
             # The server no longer has this producer's history (the stream was deleted or

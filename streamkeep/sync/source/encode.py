@@ -4,7 +4,9 @@ producer seq and never compares bodies, so a different body would be silently lo
 
 Values come as Postgres' text representation (pgoutput's text mode, and the snapshot reads the
 types' output text too), so both paths give the same JSON. Integers and booleans become JSON numbers and
-booleans, json/jsonb parsed JSON, floats numbers when finite; everything else (numeric, timestamps,
+booleans, json/jsonb parsed JSON (a number past a float's range as its text; a duplicate key
+keeps its last value and long decimals a float's precision, as the server stores JSON anyway),
+floats numbers when finite; everything else (numeric, timestamps,
 uuids, arrays, ...) keeps its text, since a JSON number would lose numeric's precision and a
 timestamp has no JSON type."""
 
@@ -38,6 +40,17 @@ def _text(text: str) -> str:
 _INFINITIES = (float("inf"), float("-inf"))
 
 
+def _finite_or_text(text: str) -> float | str:
+    value = float(text)
+    return text if value in _INFINITIES else value
+
+
+def _json(text: str) -> Any:
+    """A json/jsonb value. A number past a float's range (1e400: valid json in Postgres) keeps its
+    text, as a float column's infinity does: it has no JSON form a server could store."""
+    return json.loads(text, parse_float=_finite_or_text)
+
+
 def converter(type_oid: int) -> Callable[[str], Any]:
     """The function from a (non-NULL) value's text to its JSON value, chosen once per column."""
     if type_oid in INTEGER_TYPES:
@@ -47,7 +60,7 @@ def converter(type_oid: int) -> Callable[[str], Any]:
     if type_oid in FLOAT_TYPES:
         return _float
     if type_oid in JSON_TYPES:
-        return json.loads
+        return _json
     return _text
 
 
