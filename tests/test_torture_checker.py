@@ -382,6 +382,37 @@ def test_an_up_to_date_answer_behind_the_tail_is_reported() -> None:
     assert s.check() == ["stale-up-to-date"]
 
 
+def sse_with_an_append_between(lag: float) -> Script:
+    """An SSE reader gets w0.1 up to date at 2.0, w0.2 is acknowledged at 3.0, and the next event
+    says up to date at w0.2's start ... `lag` seconds after w0.2's acknowledgement: an event the
+    server may have written together with the first one (arriving late on a loaded machine), or,
+    long after, a stale one."""
+    s = Script()
+    s.create("txt/0", A)
+    s.clock = 1.5
+    call = Call("GET", "/v1/stream/txt/0", query={"offset": tok(A, 0), "live": "sse"}, mode="sse")
+    started = s.history.start("sse", "w1", "txt/0", {"offset": tok(A, 0)}, call)
+    s.append("txt/0", "w0.1", 204, end=8, at=1.6, took=0.2)
+    s.append("txt/0", "w0.2", 204, end=16, at=2.1, took=0.9)  # acknowledged at 3.0
+    chunks = [
+        Chunk(2.0, rec("w0.1"), tok(A, 8), True, False),
+        Chunk(3.0 + lag, "", tok(A, 8), True, False),  # still "up to date" at 8
+    ]
+    s.clock = 3.0 + lag + 0.1
+    outcome = Outcome(200, {}, chunks=chunks)
+    outcome.verdict = classify(200)
+    s.history.end(started, outcome)
+    return s
+
+
+def test_an_sse_event_behind_an_earlier_acknowledgement_is_stale_past_the_delivery_skew() -> None:
+    # w0.2 was acknowledged at 3.0, one second after the first event arrived (2.0): an event
+    # arriving 1.5 s after that acknowledgement could not have been written with the first.
+    assert "tail-went-back" in sse_with_an_append_between(lag=1.5).check()
+    # 0.2 s after: the server may have written both events before w0.2 landed (CI, seed 10).
+    assert sse_with_an_append_between(lag=0.2).check() == []
+
+
 def test_an_append_that_never_finished_its_body_must_not_appear() -> None:
     s = three_appends()
     params = {"record": "w0.4", "stored": rec("w0.4"), "record_ids": ["w0.4"]}

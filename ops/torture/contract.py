@@ -138,6 +138,12 @@ WINDOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 # Point faults: "s3_wipe" (the bucket restarted empty: cold data is gone for good), and
 # "client_vanish" (a client reset its connection mid-request; informational).
+# The longest an SSE event may take from the server's write to the reader, on a loaded machine (the
+# reader is a thread among the workers, behind HAProxy): an event arriving later than this after an
+# acknowledgement was written after it. A stale server (a deposed owner, R4 in FINDINGS.md) lags by
+# seconds, and a fresh connection to one is judged from its request's start.
+DELIVERY_SKEW = 1.0
+
 GRACE: dict[str, float] = {
     "disk": 3.0,
     "disk-faults": 3.0,

@@ -296,9 +296,33 @@ class Server:
     def start(self) -> None:
         try:
             self.process = start(*self.args, env=self.env, timeout=60)
+            self._wait_recovered(60.0)
         except RuntimeError as error:
             self.outputs.append(str(error))
             raise
+
+    def _wait_recovered(self, timeout: float) -> None:
+        """Returns once the server has read its data directory back: it listens before then and
+        answers 503 not_ready (with Retry-After), which is the restart's doing, so the run counts
+        the server down until recovery ends. Other reasons /readyz gives (a full disk) are faults
+        of their own, judged as such."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.process.alive:
+                raise RuntimeError(
+                    "the server exited while recovering:\n" + "".join(self.process.output[-40:])
+                )
+            try:
+                answer = httpx.get(f"{self.url}/readyz", timeout=2.0)
+                if answer.status_code == 200 or "recovering" not in answer.text:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        tail = self.output_tail(40)
+        self.process.stop(signal.SIGKILL)  # the caller starts another on this port
+        raise RuntimeError(f"the server was still recovering after {timeout:.0f} s:\n" + tail)
 
     def all_output(self) -> str:
         """Every process's output, in order, for the dump of a failing run."""
