@@ -22,7 +22,9 @@ from pathlib import Path
 
 SETTINGS = {
     "wal_level": "logical",
-    "max_replication_slots": "20",
+    # Every sink mapping's replication origin takes a replication state from this pool too: the
+    # sink tests make dozens.
+    "max_replication_slots": "100",
     "max_wal_senders": "20",
     "max_connections": "200",
     "listen_addresses": "'127.0.0.1'",

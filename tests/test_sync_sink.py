@@ -4,6 +4,7 @@ to the fold of the stream (state) or the stream's messages in order (log), exact
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -450,5 +451,70 @@ async def test_a_value_postgres_refuses_stops_the_mapping(server: str, database:
         await append(client, sink.stream, [change("t", "a", "nul \u0000 inside")])  # jsonb has no \u0000
         with trio.fail_after(10), pytest.raises(MappingStopped) as stopped:
             await run(sink, client, MappingStats(sink.name, "stream_to_pg"))
-        assert "Postgres refused the batch" in str(stopped.value)
+        assert "Postgres refused the batch" in str(stopped.value) and "22P05" in str(stopped.value)
+        assert 'dead_letter = "TABLE"' in str(stopped.value)  # what to do next
         assert stored_offset(database, "refused") == "-1"
+
+
+async def test_values_only_postgres_refuses_are_dead_lettered_and_the_rest_applied(
+    server: str, database: str
+) -> None:
+    """A string jsonb cannot hold, a number past bigint, a date Postgres cannot parse, a CHECK of
+    the user's table: found by Postgres, not the sink's checks, so the answer's one statement
+    fails; the batch is applied again message by message and only those are set aside, in the same
+    transaction as the others and the offset (salvage.py)."""
+    query_commit(
+        database,
+        "CREATE TABLE dated (stream text, stream_offset text, message_index int, message json, "
+        "n bigint CHECK (n <> 13), day date)",
+    )
+    state_sink = mapping(database, "nul", dead_letter="public.refused_dead")
+    log_sink = mapping(
+        database, "dated", "log", columns={"n": "n", "day": "day"}, dead_letter="public.refused_dead"
+    )
+    nul = change("t", "b", {"s": "a\u0000b"})
+    async with Client(server) as client:
+        await create(client, state_sink.stream)
+        await create(client, log_sink.stream)
+        await append(client, state_sink.stream, [change("t", "a", 1), nul, change("t", "c", 3)])
+        await append(client, state_sink.stream, [change("t", "a", 10), control("reset"), change("t", "d", 4)])
+        await append(client, state_sink.stream, [nul, change("t", "e", 5)])
+        rows = [
+            {"n": 1, "day": "2026-11-26"},
+            {"n": 2**70, "day": "2026-11-26"},
+            {"n": 3, "day": "the 40th of Nevember"},
+            {"n": 13, "day": "2026-11-27"},
+            {"n": 5, "day": None},
+        ]
+        await append(client, log_sink.stream, rows)
+        await run_until_caught_up(server, state_sink)
+        await run_until_caught_up(server, log_sink)
+        # the reset in the second answer emptied the table: a, c went, d and e stay
+        assert state_table(database, "nul") == {("t", "d"): 4, ("t", "e"): 5}
+        assert query(database, "SELECT message_index, n, day::text FROM dated ORDER BY message_index") == [
+            (0, 1, "2026-11-26"),
+            (4, 5, None),
+        ]
+        dead = query(
+            database,
+            "SELECT mapping, stream_offset, message_index, message::text, error FROM refused_dead ORDER BY id",
+        )
+        # each row names its message: the answer read from stream_offset holds it at message_index
+        for name, offset, index, text, _ in dead:
+            answer = (await client.stream(f"{name}-stream").read_all(offset=offset))[0]
+            assert answer.messages is not None and answer.messages[index] == json.loads(text)
+        assert [(row[0], json.loads(row[3])) for row in dead] == [
+            ("nul", nul),
+            ("nul", nul),
+            *[("dated", row) for row in rows[1:4]],
+        ]
+        assert "\\u0000" in dead[0][3]  # the message as sent, in a json column (jsonb has no \u0000)
+        assert [e.split(":")[0] for *_, e in dead] == [
+            "Postgres refused it, SQLSTATE 22P05",  # untranslatable character
+            "Postgres refused it, SQLSTATE 22P05",
+            "Postgres refused it, SQLSTATE 22003",  # out of range for bigint
+            "Postgres refused it, SQLSTATE 22007",  # not a date
+            "Postgres refused it, SQLSTATE 23514",  # the CHECK
+        ]
+        for sink in (state_sink, log_sink):
+            assert stored_offset(database, sink.name) == (await client.stream(sink.stream).head()).next_offset

@@ -18,6 +18,7 @@ class Part:
     next_offset: str
     messages: list[Any] | None  # JSON streams; None for any other (then `data`)
     data: bytes
+    first_index: int = 0  # the place of messages[0] in the answer (a message split off: salvage.py)
 
     @classmethod
     def of(cls, batch: Batch) -> Part:

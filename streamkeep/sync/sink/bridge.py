@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -21,7 +20,7 @@ import trio
 from streamkeep.client import Batch, Client, LiveMode, Stream, StreamGone, StreamInfo, StreamNotFound
 from streamkeep.client.reader import is_json_type
 from streamkeep.sync.config import StreamToPg
-from streamkeep.sync.sink import commit, log, offsets, reading, state, tables
+from streamkeep.sync.sink import commit, log, offsets, reading, salvage, state, tables
 from streamkeep.sync.sink.batch import Misfit, Outcome, Part
 from streamkeep.sync.sink.names import Names
 from streamkeep.sync.sink.offsets import Stored
@@ -208,33 +207,57 @@ class Sink:
 
     def _apply_blocking(self, parts: list[Part], stored: Stored) -> tuple[Stored, int]:
         mapping = self.mapping
-        write: Callable[[psycopg.Cursor[Any]], Outcome]
-        if mapping.mode == "state":
 
-            def write(cur: psycopg.Cursor[Any]) -> Outcome:
-                outcome = state.write(cur, self.names, parts, stored.in_snapshot, stored.clear_pending)
-                if outcome.misfits and mapping.dead_letter is None:
-                    self.stop_on_misfit(outcome.misfits[0], stored)  # raises: the transaction rolls back
-                return outcome
+        def checked(cur: psycopg.Cursor[Any], some: list[Part], in_snapshot: bool, clear: bool) -> Outcome:
+            outcome = self.write(cur, some, in_snapshot, clear)
+            if outcome.misfits and mapping.dead_letter is None:
+                self.stop_on_misfit(outcome.misfits[0], stored)  # raises: the transaction rolls back
+            return outcome
 
-        else:
-            assert self.log_columns is not None
-            plan = log.plan(parts, mapping.stream, mapping.columns, self.log_columns, stored.clear_pending)
-            if plan.misfits and mapping.dead_letter is None:
-                self.stop_on_misfit(plan.misfits[0], stored)
+        def whole(cur: psycopg.Cursor[Any]) -> Outcome:
+            return checked(cur, parts, stored.in_snapshot, stored.clear_pending)
 
-            def write(cur: psycopg.Cursor[Any]) -> Outcome:
-                return log.write(cur, self.names, mapping.columns, plan)
+        def each(cur: psycopg.Cursor[Any]) -> Outcome:
+            return salvage.write_each(
+                cur,
+                parts,
+                checked,
+                stored.in_snapshot,
+                stored.clear_pending,
+                raw_json=mapping.mode == "state",
+            )
 
         next_offset = parts[-1].next_offset
         try:
-            outcome = commit.apply(self.conn, self.names, mapping.stream, stored, next_offset, write)
-        except (psycopg.errors.DataError, UnicodeDecodeError) as error:  # what the checks let by
-            raise MappingStopped(
-                f"sync {mapping.name}: Postgres refused the batch at offset {parts[0].offset}: {error}. "
-                f"The stored offset stays at {stored.next_offset}."
-            ) from error
+            outcome = commit.apply(self.conn, self.names, mapping.stream, stored, next_offset, whole)
+        except salvage.REFUSED as error:  # a value only Postgres could judge
+            if mapping.dead_letter is None:
+                raise MappingStopped(
+                    f"sync {mapping.name}: Postgres refused the batch at offset {parts[0].offset}: "
+                    f"{salvage.describe(error)}. Nothing of it was applied and the stored offset stays at "
+                    f'{stored.next_offset}. Set dead_letter = "TABLE" in this mapping to set such messages '
+                    "aside and go on, or fix the stream (and `streamkeep sync reset "
+                    f"{mapping.name}` to apply it again from the beginning)."
+                ) from error
+            try:
+                outcome = commit.apply(self.conn, self.names, mapping.stream, stored, next_offset, each)
+            except salvage.REFUSED as again:
+                raise MappingStopped(
+                    f"sync {mapping.name}: the batch at offset {parts[0].offset} has a message Postgres "
+                    f"refuses ({salvage.describe(error)}), and the dead-letter table {mapping.dead_letter} "
+                    f"refused it too: {salvage.describe(again)}. Its message column must be json (not jsonb, "
+                    f"which cannot hold every JSON string): ALTER TABLE {mapping.dead_letter} ALTER COLUMN "
+                    "message TYPE json."
+                ) from again
         return Stored(next_offset, stored.version + 1, outcome.in_snapshot), outcome.applied
+
+    def write(self, cur: psycopg.Cursor[Any], parts: list[Part], in_snapshot: bool, clear: bool) -> Outcome:
+        """Writes `parts` as this mapping's mode does (salvage.PartsWriter); misfits are returned."""
+        if self.mapping.mode == "state":
+            return state.write(cur, self.names, parts, in_snapshot, clear)
+        assert self.log_columns is not None
+        plan = log.plan(parts, self.mapping.stream, self.mapping.columns, self.log_columns, clear)
+        return log.write(cur, self.names, self.mapping.columns, plan)
 
     def stop_on_misfit(self, misfit: Misfit, stored: Stored) -> NoReturn:
         mapping = self.mapping

@@ -8,12 +8,13 @@ the process not yet told: the next start reads from the stored offset, after tha
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 from psycopg import errors, sql
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Json
 
 from streamkeep.sync.crashpoints import crash_point
 from streamkeep.sync.sink import offsets
@@ -43,6 +44,15 @@ def check_origin(conn: psycopg.Connection, names: Names) -> None:
     except errors.ObjectInUse:
         conn.rollback()
         return
+    except errors.ConfigurationLimitExceeded as error:
+        conn.rollback()
+        raise RuntimeError(
+            f"Postgres has no free replication state for origin {names.origin}: every stream_to_pg "
+            "mapping uses one, from the pool that max_replication_slots sizes (pg_to_stream slots use "
+            "that setting too). Raise max_replication_slots in postgresql.conf and restart Postgres, "
+            "or drop the origins of mappings no longer run (SELECT pg_replication_origin_drop(name) "
+            f"FROM pg_replication_origin WHERE roname LIKE 'streamkeep_sync_%'; after checking). ({error})"
+        ) from error
     conn.execute("SELECT pg_replication_origin_session_reset()")
     conn.commit()
 
@@ -96,5 +106,12 @@ def _dead_letter(cur: psycopg.Cursor[Any], names: Names, stream: str, misfits: l
         sql.SQL(
             "INSERT INTO {} (mapping, stream, stream_offset, message_index, message, error) VALUES (%s, %s, %s, %s, %s, %s)"
         ).format(names.dead_letter),
-        [(names.mapping, stream, m.offset, m.index, Jsonb(m.message), m.error) for m in misfits],
+        [(names.mapping, stream, m.offset, m.index, Json(_as_json(m.message)), m.error) for m in misfits],
     )
+
+
+def _as_json(message: Any) -> Any:
+    """A message as the dead-letter table's json column holds it: a byte stream's as base64."""
+    if isinstance(message, bytes):
+        return {"base64": base64.b64encode(message).decode()}
+    return message

@@ -92,9 +92,9 @@ def plan(
                     except ValueError as error:
                         raise ValueError(f"field {path!r} (column {column}): {error}") from None
             except ValueError as error:
-                misfits.append(Misfit(part.offset, index, message, str(error)))
+                misfits.append(Misfit(part.offset, part.first_index + index, message, str(error)))
                 continue
-            rows.append((stream, part.offset, index, dumps(message), *mapped))
+            rows.append((stream, part.offset, part.first_index + index, dumps(message), *mapped))
     return Plan(rows, misfits, len(rows), clear_first)
 
 

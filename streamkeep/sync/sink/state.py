@@ -137,7 +137,8 @@ def write(
             rows = cur.execute(sql.SQL(FAST).format(table=target), {"data": text}).fetchall()
             count = int(rows[0][2])
             misfits += [
-                Misfit(part.offset, int(o) - 1, message, str(reason)) for o, reason, message in rows[1:]
+                Misfit(part.offset, part.first_index + int(o) - 1, message, str(reason))
+                for o, reason, message in rows[1:]
             ]
         applied += count
     return Outcome(applied - len(misfits), in_snapshot, misfits)
@@ -157,7 +158,7 @@ def _write_with_controls(
     loaded = cur.rowcount
     notable = cur.execute(NOTABLE).fetchall()
     misfits += [
-        Misfit(part.offset, int(o) - 1, message, str(reason))
+        Misfit(part.offset, part.first_index + int(o) - 1, message, str(reason))
         for _, o, _, reason, message in notable
         if reason
     ]

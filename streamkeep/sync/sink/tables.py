@@ -6,7 +6,8 @@ log: one row per message: `stream`, `stream_offset` (the offset of the read answ
 event, that held it), `message_index` (its place in that answer), `message` (jsonb for a JSON
 stream; bytea for any other, one row per answer since such a stream has no message boundaries),
 one `text` column per mapped field, `applied_at`; unique on (stream_offset, message_index).
-dead letter: what did not fit, with its place and the reason."""
+dead letter: what did not fit, with its place and the reason; `message` is json, not jsonb,
+which cannot hold every JSON string ("\\u0000": one reason a message lands there)."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def create_dead_letter(conn: psycopg.Connection, names: Names) -> None:
                 stream text NOT NULL,
                 stream_offset text NOT NULL,
                 message_index integer NOT NULL,
-                message jsonb,
+                message json,
                 error text NOT NULL,
                 at timestamptz NOT NULL DEFAULT now()
             )"""
