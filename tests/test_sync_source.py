@@ -571,6 +571,33 @@ def test_truncate_of_the_mapping_is_a_reset(database: str, server: serverproc.Se
     assert fold(messages) == table_state(database)
 
 
+def test_a_truncate_of_some_tables_stops_after_the_transactions_before_it(
+    database: str, server: serverproc.ServerProcess
+) -> None:
+    """TRUNCATE of one of a mapping's two tables has no State Protocol form: the mapping stops at
+    it, and the transactions read before it, even those still gathering into a batch, are on the
+    stream first (the bridge reads them in one go on its next start)."""
+    execute(database, *ITEMS, "CREATE TABLE other (id int PRIMARY KEY)")
+    mapping = mapping_for(database, tables=("public.items", "public.other"), batch_wait=5.0)
+
+    async def snapshot(stats: MappingStats) -> None:
+        await wait_until(server.url, mapping.stream, snapshot_done)
+
+    with_bridge(mapping, server.url, snapshot)
+    for n in range(1, 6):  # a transaction each
+        execute(database, f"INSERT INTO items (id) VALUES ({n})")
+    execute(database, "INSERT INTO items (id) VALUES (6)", "TRUNCATE other")  # not on the stream
+
+    async def stopped() -> None:
+        async with Client(server.url) as client:
+            await source.run(mapping, client, MappingStats(mapping.name, "pg_to_stream"))
+
+    with pytest.raises(MappingStopped, match="TRUNCATE of public.other"):
+        trio.run(stopped)
+    listed = live(stream_messages(server.url, mapping.stream))
+    assert [(op, key) for op, key, _ in listed] == [("insert", str(n)) for n in range(1, 6)]
+
+
 def test_several_tables_and_a_composite_key(database: str, server: serverproc.ServerProcess) -> None:
     execute(
         database,

@@ -427,7 +427,11 @@ class Bridge:
             message = decode(received, XLOG_PAYLOAD)
             if isinstance(message, Insert | Update | Delete | Truncate):
                 if transaction is not None and not transaction.skip:
-                    changes.add(message, transaction)
+                    try:
+                        changes.add(message, transaction)
+                    except MappingStopped:
+                        await self._settle(send, batch, rebuilding)
+                        raise
             elif isinstance(message, Begin):
                 transaction = Transaction(message.xid, message.commit_time)
             elif isinstance(message, Commit):
@@ -470,6 +474,18 @@ class Bridge:
                 if changes.relation_needs_catalog(message):
                     key = await blocking(catalog.primary_key, self.control, message.qualified)
                 changes.add_relation(message, key)
+
+    async def _settle(
+        self, send: trio.MemorySendChannel[tuple[Batch, bool]], batch: Batch, rebuilding: bool
+    ) -> None:
+        """Before a stop: the whole transactions read before the change that stops the mapping
+        go onto the stream (and into the checkpoint), so the stream ends where the trouble
+        starts, not at the last batch handed over. A pending batch being rebuilt must go whole
+        (same seq, same contents), so it stays pending."""
+        if batch.rows and not rebuilding:
+            await self._hand_over(send, batch)
+        while self.in_flight:
+            await trio.sleep(0.01)
 
     async def _flush(self, batch: Batch, resend: bool = False) -> None:
         assert self.checkpoint is not None and self.replication is not None
