@@ -1,21 +1,36 @@
-"""Helpers for the sink's tests: a mapping, the sink run in-process (restarted after failures as
-the sync process does), the fold of a stream as the State Protocol defines it, and what a table
-holds."""
+"""Helpers for the sink's tests: a streamkeep server (the `server` fixture), a mapping, the sink
+run in-process (restarted after failures as the sync process does), the fold of a stream as the
+state-mode sink applies it (ops/torture/stateproto.py), and what a table holds."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
+import pytest
 import trio
 
+from ops import serverproc
+from ops.torture.stateproto import fold
 from streamkeep.client import Client
 from streamkeep.sync import process
 from streamkeep.sync.config import StreamToPg
 from streamkeep.sync.sink import run
 from streamkeep.sync.stats import MappingStats
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """A streamkeep server in memory for a test module (import it into the module to use it)."""
+    process = serverproc.start("--storage", "memory")
+    yield process.url
+    process.stop()
+
+
+async def create(client: Client, name: str) -> None:
+    await client.stream(name).create(content_type="application/json")
 
 
 def mapping(dsn: str, name: str, mode: str = "state", **options: Any) -> StreamToPg:
@@ -33,28 +48,6 @@ def change(kind: str, key: str, value: Any = None, operation: str = "insert") ->
 
 def control(name: str) -> dict[str, Any]:
     return {"headers": {"control": name}}
-
-
-def fold(messages: list[Any]) -> dict[tuple[str, str], Any]:
-    """The reference materialization (seed 001 §6), with snapshots applied whole at their end."""
-    table: dict[tuple[str, str], Any] = {}
-    staging: dict[tuple[str, str], Any] | None = None
-    for message in messages:
-        headers = message["headers"]
-        if "control" in headers:
-            if headers["control"] == "reset":
-                table, staging = {}, None
-            elif headers["control"] == "snapshot-start":
-                staging = {}
-            elif staging is not None:
-                table, staging = staging, None
-            continue
-        into = table if staging is None else staging
-        if headers["operation"] == "delete":
-            into.pop((message["type"], message["key"]), None)
-        else:
-            into[(message["type"], message["key"])] = message["value"]
-    return table
 
 
 async def stream_messages(client: Client, name: str) -> list[Any]:

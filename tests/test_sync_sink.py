@@ -5,14 +5,12 @@ to the fold of the stream (state) or the stream's messages in order (log), exact
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 import trio
 
-from ops import serverproc
 from streamkeep.client import Batch, Client
 from streamkeep.sync import process
 from streamkeep.sync.config import StreamToPg
@@ -22,6 +20,7 @@ from streamkeep.sync.sink.bridge import Sink
 from streamkeep.sync.sink.names import Names
 from streamkeep.sync.stats import MappingStats, MappingStopped
 from tests import postgres as pg_fixtures
+from tests import sync_sink_helpers
 from tests.sync_sink_helpers import (
     append,
     assert_log_is_stream,
@@ -29,6 +28,7 @@ from tests.sync_sink_helpers import (
     caught_up,
     change,
     control,
+    create,
     mapping,
     query,
     query_commit,
@@ -39,17 +39,7 @@ from tests.sync_sink_helpers import (
 )
 
 postgres, database = pg_fixtures.postgres, pg_fixtures.database  # the fixtures, under their names
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    process = serverproc.start("--storage", "memory")
-    yield process.url
-    process.stop()
-
-
-async def create(client: Client, name: str) -> None:
-    await client.stream(name).create(content_type="application/json")
+server = sync_sink_helpers.server  # a streamkeep for the module, a fixture too
 
 
 async def test_log_mode_writes_one_row_per_message_with_mapped_columns(server: str, database: str) -> None:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from streamkeep.sync.config import StreamToPg
 from streamkeep.sync.sink import run
 from streamkeep.sync.stats import MappingStats, MappingStopped
 from tests import postgres as pg_fixtures
+from tests import sync_sink_helpers
 from tests.sync_sink_helpers import (
     append,
     assert_log_is_stream,
@@ -37,13 +37,7 @@ from tests.sync_sink_helpers import (
 )
 
 postgres, database = pg_fixtures.postgres, pg_fixtures.database  # the fixtures, under their names
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    proc = serverproc.start("--storage", "memory")
-    yield proc.url
-    proc.stop()
+server = sync_sink_helpers.server  # a streamkeep for the module, a fixture too
 
 
 def config_file(directory: Path, url: str, sink: StreamToPg) -> Path:

@@ -3,6 +3,7 @@ would do, and a short seeded run of the real processes under faults finds nothin
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -57,20 +58,41 @@ def test_the_judge_finds_a_transaction_sent_twice_lost_reordered_or_echoed() -> 
     assert any(f.startswith("source-fold") for f in judged(GOOD[:-1], {700: 1, 701: 1}))
 
 
-def test_the_judge_finds_a_sink_that_applied_twice_or_missed() -> None:
-    events = [{"type": "ev", "key": "a", "value": {"n": 1}, "headers": {"operation": "insert"}}]
-    state = {("ev", "a"): {"n": 1}}
-    log = Counter(__import__("json").dumps(m, sort_keys=True) for m in events)
+def test_the_judge_finds_a_sink_that_applied_twice_missed_or_set_aside_wrongly() -> None:
+    nul = {"type": "ev", "key": "b", "value": {"s": "\u0000"}, "headers": {"operation": "insert"}}
+    events = [
+        {"type": "ev", "key": "a", "value": {"n": 1}, "headers": {"operation": "insert"}},
+        {"headers": {"control": "snapshot-start"}},
+        {"type": "ev", "key": "c", "value": {"n": 2}, "headers": {"operation": "insert"}},
+        nul,
+        {"headers": {"control": "snapshot-end"}},
+    ]
+    state = {("ev", "c"): {"n": 2}}  # the snapshot replaced a; b was refused
+    log = Counter(json.dumps(m, sort_keys=True) for m in events if m is not nul)
+    dead = {name: Counter([json.dumps(nul, sort_keys=True)]) for name in ("evstate", "evlog")}
+    tables = syncbridge.SinkTables(state, log, dead)
     findings: list[str] = []
-    syncbridge.judge_sink(events, state, log, findings)
-    assert findings == []
-    syncbridge.judge_sink(events, state, log + log, findings)
-    syncbridge.judge_sink(events, {}, log, findings)
-    assert [f.split(":")[0] for f in findings] == ["sink-log", "sink-state"]
+    syncbridge.judge_sink(events, tables, findings)
+    assert findings == [] and tables.caught_up_with(events)
+    syncbridge.judge_sink(events, syncbridge.SinkTables(state, log + log, dead), findings)
+    syncbridge.judge_sink(
+        events, syncbridge.SinkTables({("ev", "a"): {"n": 1}, **state}, log, dead), findings
+    )
+    twice = {**dead, "evlog": dead["evlog"] + dead["evlog"]}
+    syncbridge.judge_sink(events, syncbridge.SinkTables(state, log, twice), findings)
+    syncbridge.judge_sink(events, syncbridge.SinkTables(state, log, {"evlog": dead["evlog"]}), findings)
+    assert [f.split(":")[0] for f in findings] == [
+        "sink-log",
+        "sink-state",
+        "sink-dead-letter",
+        "sink-dead-letter",
+    ]
+    assert not syncbridge.SinkTables(state, log, {}).caught_up_with(events)
 
 
 def test_a_short_seeded_run_under_faults_finds_nothing(tmp_path: Path) -> None:
     result = syncbridge.run(syncbridge.Options(seed=3, duration=15, dump_dir=tmp_path))
     assert result.counts["transactions committed"] > 50 and result.counts["messages acknowledged"] > 20
     assert sum(result.counts[k] for k in ("kill", "crash-point", "pause", "postgres", "streamkeep")) >= 4
+    assert result.counts["events messages Postgres refuses"] > 0  # the dead letter was judged
     assert result.findings == []

@@ -22,7 +22,10 @@ At the end (faults off, everything up, the sync caught up), findings:
 - `source-lost`: a transaction whose COMMIT returned is not on the stream;
 - `echo`: a change of `ev_state` (written only by the sink) came back on `pg-items`;
 - `sink-state`: `ev_state` differs from the fold of `events`;
-- `sink-log`: `ev_log` does not hold each message of `events` exactly once;
+- `sink-log`: `ev_log` does not hold each message of `events` exactly once (but those Postgres
+  refuses);
+- `sink-dead-letter`: `ev_dead` does not hold, for each sink, each message Postgres refuses
+  exactly once, and nothing else;
 - `stopped`: a mapping stopped (it should heal from every fault here);
 - `no-catch-up`: the sync did not catch up within the grace period.
 """
@@ -48,6 +51,7 @@ from typing import Any
 import httpx
 
 from ops import pgserver, serverproc
+from ops.torture.stateproto import fold, refused_by_postgres
 
 CRASH_POINTS = (
     "source.snapshot_append",  # fires only while a snapshot is copied (the first start)
@@ -102,6 +106,7 @@ dsn = "{dsn}"
 table = "public.ev_state"
 mode = "state"
 live = "{live_state}"
+dead_letter = "public.ev_dead"
 [[stream_to_pg]]
 name = "evlog"
 stream = "events"
@@ -109,6 +114,7 @@ dsn = "{dsn}"
 table = "public.ev_log"
 mode = "log"
 live = "{live_log}"
+dead_letter = "public.ev_dead"
 """
 
 
@@ -272,7 +278,10 @@ class Writer:
 
 
 class Appender:
-    """State Protocol messages appended to `events` through streamkeep.client's producer."""
+    """State Protocol messages appended to `events` through streamkeep.client's producer: changes
+    over 200 keys; now and then a value Postgres refuses (a string holding U+0000: both sinks
+    dead-letter it), a `reset`, or a snapshot of a few keys (`snapshot-start`, inserts,
+    `snapshot-end`, appended one by one, so a fault can fall inside one)."""
 
     def __init__(self, url: str, rng: random.Random) -> None:
         self.url = url
@@ -280,6 +289,36 @@ class Appender:
         self.stop = threading.Event()
         self.acknowledged = 0
         self.failed = 0
+
+    def next_messages(self, n: int) -> list[dict[str, Any]]:
+        roll = self.rng.random()
+        if roll < 0.005:
+            return [{"headers": {"control": "reset"}}]
+        if roll < 0.015:
+            keys = self.rng.sample(range(200), self.rng.randrange(1, 6))
+            inserts = [
+                {
+                    "type": "ev",
+                    "key": str(k),
+                    "value": {"n": n, "snapshot": True},
+                    "headers": {"operation": "insert"},
+                }
+                for k in keys
+            ]
+            return [
+                {"headers": {"control": "snapshot-start"}},
+                *inserts,
+                {"headers": {"control": "snapshot-end"}},
+            ]
+        operation = self.rng.choice(["insert", "update", "update", "delete"])
+        message: dict[str, Any] = {
+            "type": "ev",
+            "key": str(self.rng.randrange(200)),
+            "headers": {"operation": operation},
+        }
+        if operation != "delete":
+            message["value"] = {"n": n, "s": "nul \u0000 inside"} if roll > 0.97 else {"n": n}
+        return [message]
 
     def run(self) -> None:
         from streamkeep.client.sync import Client
@@ -293,36 +332,15 @@ class Appender:
                     events.create(content_type="application/json")
                     with events.producer("torture", epoch=epoch, auto_claim=True, linger=0.01) as producer:
                         while not self.stop.is_set():
-                            key = str(self.rng.randrange(200))
-                            operation = self.rng.choice(["insert", "update", "update", "delete"])
-                            message: dict[str, Any] = {
-                                "type": "ev",
-                                "key": key,
-                                "headers": {"operation": operation},
-                            }
-                            if operation != "delete":
-                                message["value"] = {"n": n}
+                            for message in self.next_messages(n):
+                                producer.append(message).wait()
+                                self.acknowledged += 1
                             n += 1
-                            producer.append(message).wait()
-                            self.acknowledged += 1
                             time.sleep(self.rng.uniform(0, 0.02))
             except Exception:  # the server was killed under it: a new producer, a higher epoch
                 self.failed += 1
                 epoch += 1
                 time.sleep(0.3)
-
-
-def fold(messages: list[Any]) -> dict[tuple[str, str], Any]:
-    state: dict[tuple[str, str], Any] = {}
-    for message in messages:
-        headers = message.get("headers", {}) if isinstance(message, dict) else {}
-        if headers.get("control") == "reset":
-            state.clear()
-        elif headers.get("operation") in ("insert", "update"):
-            state[(str(message["type"]), str(message["key"]))] = message.get("value")
-        elif headers.get("operation") == "delete":
-            state.pop((str(message["type"]), str(message["key"])), None)
-    return state
 
 
 def read_stream(url: str, name: str) -> list[Any]:
@@ -386,23 +404,47 @@ def _lsn(text: str) -> int:
     return (int(high, 16) << 32) + int(low or "0", 16)
 
 
-def judge_sink(
-    messages: list[Any], state_rows: dict[tuple[str, str], Any], log_count: Counter[str], findings: list[str]
-) -> None:
-    expected = fold(messages)
-    if state_rows != expected:
-        missing = sorted(set(expected) - set(state_rows))[:5]
-        extra = sorted(set(state_rows) - set(expected))[:5]
-        differ = [k for k in expected if k in state_rows and state_rows[k] != expected[k]][:5]
+def judge_sink(messages: list[Any], tables: SinkTables, findings: list[str]) -> None:
+    accepted = [m for m in messages if not refused_by_postgres(m)]
+    expected = fold(accepted)
+    if tables.state != expected:
+        missing = sorted(set(expected) - set(tables.state))[:5]
+        extra = sorted(set(tables.state) - set(expected))[:5]
+        differ = [k for k in expected if k in tables.state and tables.state[k] != expected[k]][:5]
         findings.append(f"sink-state: missing {missing}, extra {extra}, different {differ}")
-    wanted = Counter(json.dumps(m, sort_keys=True) for m in messages)
-    if log_count != wanted:
-        more = sum((log_count - wanted).values())
-        fewer = sum((wanted - log_count).values())
+    wanted = Counter(json.dumps(m, sort_keys=True) for m in accepted)
+    if tables.log != wanted:
+        more = sum((tables.log - wanted).values())
+        fewer = sum((wanted - tables.log).values())
         findings.append(f"sink-log: {more} rows beyond the stream's messages, {fewer} messages without a row")
+    refused = Counter(json.dumps(m, sort_keys=True) for m in messages if refused_by_postgres(m))
+    for mapping in ("evstate", "evlog"):
+        dead = tables.dead.get(mapping, Counter())
+        if dead != refused:
+            findings.append(
+                f"sink-dead-letter: {mapping} set aside {sum(dead.values())} messages, "
+                f"{sum((dead - refused).values())} of them not refused by Postgres or twice; "
+                f"{sum((refused - dead).values())} refused messages not set aside"
+            )
 
 
-def snapshot_tables(dsn: str) -> tuple[dict[str, Any], dict[tuple[str, str], Any], Counter[str]]:
+@dataclass
+class SinkTables:
+    state: dict[tuple[str, str], Any]
+    log: Counter[str]  # each row's message, as sorted JSON
+    dead: dict[str, Counter[str]]  # per mapping, each dead-letter row's message
+
+    def caught_up_with(self, messages: list[Any]) -> bool:
+        accepted = [m for m in messages if not refused_by_postgres(m)]
+        refused = len(messages) - len(accepted)
+        return (
+            self.state == fold(accepted)
+            and sum(self.log.values()) == len(accepted)
+            and all(sum(self.dead.get(m, Counter()).values()) == refused for m in ("evstate", "evlog"))
+        )
+
+
+def snapshot_tables(dsn: str) -> tuple[dict[str, Any], SinkTables]:
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -412,7 +454,12 @@ def snapshot_tables(dsn: str) -> tuple[dict[str, Any], dict[tuple[str, str], Any
         }
         state = {(str(r[0]), str(r[1])): r[2] for r in conn.execute("SELECT type, key, value FROM ev_state")}
         log = Counter(json.dumps(r[0], sort_keys=True) for r in conn.execute("SELECT message FROM ev_log"))
-    return items, state, log
+        dead: dict[str, Counter[str]] = {}
+        exists = conn.execute("SELECT to_regclass('public.ev_dead')").fetchone()
+        if exists and exists[0]:
+            for mapping, text in conn.execute("SELECT mapping, message::text FROM ev_dead"):
+                dead.setdefault(mapping, Counter())[json.dumps(json.loads(text), sort_keys=True)] += 1
+    return items, SinkTables(state, log, dead)
 
 
 def run(options: Options, log: Callable[[str], None] = print) -> Result:
@@ -452,13 +499,15 @@ def run(options: Options, log: Callable[[str], None] = print) -> Result:
         result.counts["messages acknowledged"] = appender.acknowledged
         caught_up = _wait_caught_up(procs, writer, result.findings)
         if caught_up:
-            items, state, log_rows = snapshot_tables(procs.dsn)
+            items, sink_tables = snapshot_tables(procs.dsn)
             source_messages = read_stream(procs.url, "pg-items")
             event_messages = read_stream(procs.url, "events")
             result.counts["pg-items messages"] = len(source_messages)
             result.counts["events messages"] = len(event_messages)
             judge_source(source_messages, items, writer, result.findings)
-            judge_sink(event_messages, state, log_rows, result.findings)
+            result.counts["events messages Postgres refuses"] = sum(map(refused_by_postgres, event_messages))
+            result.counts["events control messages"] = sum("control" in m["headers"] for m in event_messages)
+            judge_sink(event_messages, sink_tables, result.findings)
         health = _health(procs)
         stopped = [name for name, m in health.get("mappings", {}).items() if m.get("state") == "stopped"]
         if stopped:
@@ -546,11 +595,11 @@ def _wait_caught_up(procs: Processes, writer: Writer, findings: list[str]) -> bo
     deadline = time.monotonic() + GRACE
     while time.monotonic() < deadline:
         try:
-            items, state, log_rows = snapshot_tables(procs.dsn)
+            items, sink_tables = snapshot_tables(procs.dsn)
             source = fold(read_stream(procs.url, "pg-items"))
             events = read_stream(procs.url, "events")
             have = {k[1] for k in source if k[0] == "public.items"}
-            if have == set(items) and state == fold(events) and sum(log_rows.values()) == len(events):
+            if have == set(items) and sink_tables.caught_up_with(events):
                 return True
         except Exception:  # still starting: look again
             pass

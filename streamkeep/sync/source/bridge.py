@@ -114,6 +114,7 @@ class Bridge:
         self.confirmed = 0  # the slot's flush position we have confirmed (or will, at the next status)
         self.sent_status = 0
         self.in_flight = 0  # batches handed to the appender and not yet confirmed
+        self.idle: trio.Event | None = None  # set when in_flight reaches 0, for a reader that waits
         self.waiting: trio.CancelScope | None = None  # the reader's wait on the socket, holding a batch
         self.server_wal_end = 0
 
@@ -345,6 +346,8 @@ class Bridge:
             self.in_flight -= 1
             if not self.in_flight and self.waiting is not None:
                 self.waiting.cancel()  # the reader holds a batch: hand it over now
+            if not self.in_flight and self.idle is not None:
+                self.idle.set()  # the reader waits to stop (_settle)
 
     async def _hand_over(
         self, send: trio.MemorySendChannel[tuple[Batch, bool]], batch: Batch, resend: bool = False
@@ -484,8 +487,9 @@ class Bridge:
         (same seq, same contents), so it stays pending."""
         if batch.rows and not rebuilding:
             await self._hand_over(send, batch)
-        while self.in_flight:
-            await trio.sleep(0.01)
+        if self.in_flight:
+            self.idle = trio.Event()
+            await self.idle.wait()
 
     async def _flush(self, batch: Batch, resend: bool = False) -> None:
         assert self.checkpoint is not None and self.replication is not None
