@@ -106,7 +106,25 @@ def _shutdown(loop: _LoopThread, client: AsyncClient, open_: _Open) -> None:
         raise failure
 
 
-class Client:
+class _ClosedByWith:
+    """`with` closes it, whatever ends the block."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Client(_ClosedByWith):
     """`streamkeep.client.Client`, blocking. Takes the same arguments, plus `backend` ("asyncio"
     or "trio") for the loop in its thread. Close it (or use `with`) to stop that thread; `close()`
     also closes the producers and readers it handed out (so it cannot wait forever on a producer's
@@ -129,17 +147,6 @@ class Client:
     def close(self) -> None:
         """Idempotent: the finalizer runs `_shutdown` once, whoever calls it first."""
         self._finalizer()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 async def _build(base_url: str, options: dict[str, Any]) -> AsyncClient:
@@ -253,7 +260,7 @@ async def _await(awaitable: Awaitable[Any]) -> Any:
     return await awaitable
 
 
-class Producer:
+class Producer(_ClosedByWith):
     """`streamkeep.client.producer.IdempotentProducer`, blocking and already entered (its sender
     runs on the client's loop until `close`): `append` enqueues and returns a `Receipt` at once;
     `flush` and `close` block until the server answered everything queued."""
@@ -289,17 +296,6 @@ class Producer:
             self._entered.__exit__(type(error), error, error.__traceback__)
             raise
         self._entered.__exit__(None, None, None)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 async def _enqueue(producer: IdempotentProducer, data: Any) -> Awaitable[Any]:
