@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
-	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha bench-sync sessions-demo profile crash-test soak system-tools browser-tools h2load venv clean \
+	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha bench-sync sessions-demo profile profile-cluster crash-test soak system-tools browser-tools h2load venv clean \
 	torture docs
 
 venv: $(VENV_STAMP)
@@ -211,6 +211,13 @@ bench-disk: $(VENV_STAMP) $(BENCH_STAMP) h2load
 ## py-spy comes with .venv (the dev extra). Extra flags: make profile ARGS="--seconds 3 --json profile.json"
 profile: $(VENV_STAMP) h2load
 	$(PY) -m ops.profile_append --markdown $(ARGS)
+
+## The same question for the cluster's front door (issue 26): one member behind HAProxy at its share of
+## an 8-member cluster's load, against the same rate sent straight to it; CPU per append of HAProxy and
+## the member (user/sys), context switches, and where the member's extra µs go (py-spy; ~1.5 min).
+## Needs haproxy (make system-tools). Extra flags: make profile-cluster ARGS="--rounds 3 --storage disk"
+profile-cluster: $(VENV_STAMP) h2load
+	$(PY) -m ops.profile_cluster --markdown $(ARGS)
 
 bench-recovery: $(VENV_STAMP)
 	$(PY) -m ops.bench_recovery
