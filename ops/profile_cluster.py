@@ -50,10 +50,12 @@ import platform
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -73,6 +75,7 @@ SHARE = 0.5  # of a member's direct capacity: what an 8-member cluster gave each
 WARM_UP_SECONDS = 1.0
 MEMBER, HAPROXY = "member", "haproxy"
 SATURATED, DIRECT, FRONT = "direct, saturated", "direct, paced", "front door, paced"
+EDITED = "edited front door, paced"
 
 # ---- /proc -----------------------------------------------------------------------------------
 
@@ -330,6 +333,7 @@ class Cluster:
     member_url: str
     member: int  # pids
     haproxy: int
+    config: Path  # the haproxy.cfg `cluster run` generated
 
     @property
     def member_port(self) -> int:
@@ -359,10 +363,65 @@ def start_cluster(storage: str, data: Path, load_cpu: int) -> Cluster:
         member = next(
             pid for pid in pids if "--cluster-member" in (_read(Path(f"/proc/{pid}/cmdline")) or "")
         )
-        return Cluster(server, member_url(server.output), member, haproxy)
+        return Cluster(server, member_url(server.output), member, haproxy, data / "haproxy" / "haproxy.cfg")
     except BaseException:
         server.stop()
         raise
+
+
+def edit_config(text: str, *, drop: Sequence[str], defaults: Sequence[str], port: int) -> str:
+    """The generated configuration less the lines matching a regular expression of `drop`, with
+    `defaults` added to its defaults section, listening on `port` (the two front doors run side by
+    side; `cluster run --processes 1` binds one address, its frontend's)."""
+    lines = []
+    for line in text.splitlines():
+        if any(re.search(pattern, line) for pattern in drop):
+            continue
+        lines.append(re.sub(r"^(\s+bind \S+):\d+", rf"\g<1>:{port}", line))
+        if line.strip() == "defaults":
+            lines += [f"    {extra}" for extra in defaults]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Edited:
+    """A second HAProxy in front of the same member with an edited configuration (`--haproxy-drop`,
+    `--haproxy-defaults`): what a change to what `cluster run` generates would save, measured."""
+
+    process: subprocess.Popen[str]
+    url: str
+    config: str
+
+
+def start_edited(cluster: Cluster, drop: Sequence[str], defaults: Sequence[str], work: Path,
+                 load_cpu: int) -> Edited:  # fmt: skip
+    port = free_port()
+    text = edit_config(cluster.config.read_text(), drop=drop, defaults=defaults, port=port)
+    path = work / "haproxy-edited.cfg"
+    path.write_text(text)
+    checked = subprocess.run(["haproxy", "-c", "-q", "-f", str(path)], capture_output=True, text=True)
+    if checked.returncode != 0:
+        raise RuntimeError(
+            f"haproxy refused the edited configuration:\n{checked.stdout}{checked.stderr}\n{text}"
+        )
+    command = ["taskset", "-c", str(load_cpu), "haproxy", "-db", "-f", str(path)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return Edited(process, f"http://127.0.0.1:{port}", text)
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("the edited HAProxy did not listen") from None
+            time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def create_streams(url: str, count: int) -> list[str]:
@@ -394,18 +453,19 @@ class Setup:
 
 
 def run_load(cluster: Cluster, url: str, paths: list[str], setup: Setup, seconds: float,
-             rate: float | None, name: str) -> Pass:  # fmt: skip
+             rate: float | None, name: str, haproxy: int | None = None) -> Pass:  # fmt: skip
     """One pass of h2load at `url`, with the member's and HAProxy's /proc read around it."""
     body, uris, log = setup.work / "body", setup.work / f"uris-{name}", setup.work / f"log-{name}"
     log.unlink(missing_ok=True)  # h2load appends to its log file
     uris.write_text("".join(url + path + "\n" for path in paths))
     command = h2load_command(uris, body, clients=setup.clients, seconds=seconds, rate=rate, h2=setup.h2,
                              cpu=setup.load_cpu, log=log)  # fmt: skip
-    roles = {MEMBER: cluster.member, HAPROXY: cluster.haproxy}
+    haproxy = cluster.haproxy if haproxy is None else haproxy
+    roles = {MEMBER: cluster.member, HAPROXY: haproxy}
     counted: list[int] = []
     # Counted mid-pass: at the end HAProxy may keep or drop idle connections as its clients leave.
     timer = threading.Timer(
-        seconds / 2, lambda: counted.append(haproxy_connections(cluster.member_port, cluster.haproxy))
+        seconds / 2, lambda: counted.append(haproxy_connections(cluster.member_port, haproxy))
     )
     before = {role: usage(pid) for role, pid in roles.items()}
     timer.start()
@@ -487,48 +547,66 @@ class Report:
     functions: list[tuple[str, float, float, float]] = field(default_factory=list)
     samples: dict[str, int] = field(default_factory=dict)  # path -> samples kept
     end: str = ""  # the machine's contention when the passes were done
+    edited: str = ""  # the edited HAProxy's configuration, where there is one
 
-    def hop(self) -> Hop:
-        direct, front = self.passes[DIRECT].cost(MEMBER), self.passes[FRONT].cost(MEMBER)
-        haproxy = self.passes[FRONT].cost(HAPROXY)
+    def hop(self, name: str = FRONT) -> Hop:
+        direct, front = self.passes[DIRECT].cost(MEMBER), self.passes[name].cost(MEMBER)
+        haproxy = self.passes[name].cost(HAPROXY)
         assert direct is not None and front is not None and haproxy is not None
         return hop(direct, front, haproxy)
+
+    @property
+    def fronts(self) -> list[str]:
+        """The paced passes through a front door: the generated one, and the edited one if any."""
+        return [name for name in (FRONT, EDITED) if name in self.passes]
 
 
 def profile(args: argparse.Namespace, setup: Setup, progress: pa.Progress, head: str) -> Report:
     with tempfile.TemporaryDirectory(prefix="profile-cluster-", dir=ROOT) as tmp:
         progress(f"starting `cluster run --processes 1` ({args.storage}), HAProxy on CPU {setup.load_cpu}")
         cluster = start_cluster(args.storage, Path(tmp) / "cluster", setup.load_cpu)
+        edited = None
         try:
             pin(cluster.member, setup.member_cpu)
             paths = create_streams(cluster.server.url, STREAMS)
-            return measure(cluster, paths, args, setup, progress, head)
+            if args.haproxy_drop or args.haproxy_defaults:
+                edited = start_edited(
+                    cluster, args.haproxy_drop, args.haproxy_defaults, setup.work, setup.load_cpu
+                )
+            return measure(cluster, paths, args, setup, progress, head, edited)
         finally:
+            if edited is not None:
+                edited.process.terminate()
+                edited.process.wait(10)
             cluster.server.stop()
 
 
 def measure(cluster: Cluster, paths: list[str], args: argparse.Namespace, setup: Setup,
-            progress: pa.Progress, head: str) -> Report:  # fmt: skip
+            progress: pa.Progress, head: str, edited: Edited | None = None) -> Report:  # fmt: skip
     front, direct = cluster.server.url, cluster.member_url
-    for url, name in ((direct, "warm-direct"), (front, "warm-front")):
-        run_load(cluster, url, paths, setup, WARM_UP_SECONDS, None, name)
+    # (url, name, HAProxy's pid) of each paced path, alternated in every round.
+    paced = [(direct, DIRECT, cluster.haproxy), (front, FRONT, cluster.haproxy)]
+    if edited is not None:
+        paced.append((edited.url, EDITED, edited.process.pid))
+    for url, _, haproxy in paced:
+        run_load(cluster, url, paths, setup, WARM_UP_SECONDS, None, "warm-up", haproxy)
     saturated = run_load(cluster, direct, paths, setup, setup.seconds / 2, None, SATURATED)
     rate = args.rate or saturated.per_second * args.share
     progress(
         f"direct, saturated: {saturated.per_second:,.0f} appends/s; pacing at {rate:,.0f}/s "
         f"({setup.clients} connections at {rate / setup.clients:.1f}/s each)"
     )
-    passes = {SATURATED: saturated, DIRECT: Pass(DIRECT), FRONT: Pass(FRONT)}
+    passes = {SATURATED: saturated, **{name: Pass(name) for _, name, _ in paced}}
     for round_ in range(args.rounds):
-        for url, name in ((direct, DIRECT), (front, FRONT)):
-            done = run_load(cluster, url, paths, setup, setup.seconds, rate, name)
+        for url, name, haproxy in paced:
+            done = run_load(cluster, url, paths, setup, setup.seconds, rate, name, haproxy)
             cost = done.cost(MEMBER)
             assert cost is not None
             progress(
                 f"round {round_ + 1}, {name}: {done.per_second:,.0f}/s, member {cost.cpu_us:.1f} µs/append"
             )
             passes[name].add(done)
-    report = Report(head, rate, passes, end=contention())
+    report = Report(head, rate, passes, end=contention(), edited=edited.config if edited else "")
     if setup.py_spy is None:
         return report
     results: dict[str, pa.Breakdown] = {}
@@ -585,29 +663,38 @@ def cost_rows(passes: Sequence[Pass]) -> list[tuple[str, list[float | None], int
 
 
 def format_markdown(report: Report) -> str:
-    passes = [report.passes[name] for name in (SATURATED, DIRECT, FRONT)]
+    names = [SATURATED, DIRECT, *report.fronts]
+    passes = [report.passes[name] for name in names]
     lines = [report.head, "", f"Paced passes at {report.rate:,.0f} appends/s.", ""]
-    lines += ["| per append | " + " | ".join(p.name for p in passes) + " | front door - direct (paced) |"]
-    lines += ["|---" * (len(passes) + 2) + "|"]
+    titles = [f"{name.split(',')[0]} - direct (paced)" for name in report.fronts]
+    lines += ["| per append | " + " | ".join(names + titles) + " |", "|---" * (len(names + titles) + 1) + "|"]
     for label, values, digits in cost_rows(passes):
-        direct, front = values[1], values[2]
+        direct = values[1]
         # Counts of things, not costs: their difference says nothing per append.
         uncounted = label in ("appends/s", "failed") or "connections" in label
-        difference = None if direct is None or front is None or uncounted else front - direct
-        cells = [_cell(value, digits) for value in values] + [_cell(difference, digits)]
+        differences = [
+            None if direct is None or front is None or uncounted else front - direct for front in values[2:]
+        ]
+        cells = [_cell(value, digits) for value in values + differences]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    h = report.hop()
     by_round = "; ".join(
-        f"{name} {', '.join(f'{us:.1f}' for us in report.passes[name].member_us)}" for name in (DIRECT, FRONT)
+        f"{name} {', '.join(f'{us:.1f}' for us in report.passes[name].member_us)}" for name in names[1:]
     )
     lines += [
         "",
         f"Member CPU µs per append by round: {by_round}. At the end of the paced passes: {report.end}.",
-        "",
-        f"The hop costs **{h.total_us:.1f} µs per append**: HAProxy {h.haproxy_user_us:.1f} user + "
-        f"{h.haproxy_sys_us:.1f} sys, the member {h.member_user_us:+.1f} user and {h.member_sys_us:+.1f} "
-        f"sys ({h.member_voluntary:+.3f} voluntary, {h.member_involuntary:+.3f} involuntary switches per append).",
     ]
+    for name in report.fronts:
+        h = report.hop(name)
+        lines += [
+            "",
+            f"The hop ({name.split(',')[0]}) costs **{h.total_us:.1f} µs per append**: HAProxy "
+            f"{h.haproxy_user_us:.1f} user + {h.haproxy_sys_us:.1f} sys, the member {h.member_user_us:+.1f} user "
+            f"and {h.member_sys_us:+.1f} sys ({h.member_voluntary:+.3f} voluntary, "
+            f"{h.member_involuntary:+.3f} involuntary switches per append).",
+        ]
+    if report.edited:
+        lines += ["", "The edited HAProxy's configuration:", "", "```", report.edited.rstrip(), "```"]
     if report.components:
         lines += ["", "Where the member's µs per append go (py-spy samples over the clean passes' CPU; "
                   f"samples kept: {', '.join(f'{k} {v:,}' for k, v in report.samples.items())}):", ""]  # fmt: skip
@@ -644,7 +731,11 @@ def as_json(report: Report) -> dict[str, Any]:
         "header": report.head,
         "rate": report.rate,
         "passes": passes,
-        "hop": {**asdict(report.hop()), "total_us": report.hop().total_us},
+        "hops": {
+            name: {**asdict(report.hop(name)), "total_us": report.hop(name).total_us}
+            for name in report.fronts
+        },
+        "edited_config": report.edited,
         "components": report.components,
         "functions": report.functions,
     }
@@ -703,6 +794,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory")
     parser.add_argument("--protocol", choices=("h1", "h2c"), default="h1")
     parser.add_argument("--no-sample", action="store_true", help="skip the py-spy passes")
+    parser.add_argument(
+        "--haproxy-drop",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="also measure a second HAProxy without the generated lines matching REGEX (repeatable)",
+    )
+    parser.add_argument(
+        "--haproxy-defaults",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="also measure a second HAProxy with LINE added to the defaults section (repeatable)",
+    )
     parser.add_argument("--markdown", action="store_true", help="(the only format; kept for `make`)")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
     args = parser.parse_args(argv)

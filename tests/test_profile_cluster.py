@@ -125,8 +125,52 @@ def test_the_markdown_report_has_every_row_and_the_hop() -> None:
     assert rows["**all processes µs**"] == "| **all processes µs** | 70.0 | 70.0 | 135.0 | 65.0 |"
     assert rows["member voluntary switches / append"].endswith("| 0.010 | 0.030 | 0.020 |")
     assert rows["appends/s"].endswith("| 5,000 | - |")  # no difference of counts
-    assert "The hop costs **65.0 µs per append**" in text
-    assert json.loads(json.dumps(pc.as_json(report)))["hop"]["total_us"] == pytest.approx(65.0)
+    assert "The hop (front door) costs **65.0 µs per append**" in text
+    assert json.loads(json.dumps(pc.as_json(report)))["hops"][pc.FRONT]["total_us"] == pytest.approx(65.0)
+
+
+def test_an_edited_front_door_gets_its_own_column_and_hop() -> None:
+    report = made_up_report()
+    cheaper = made_up_pass(
+        pc.EDITED, 20_000, pc.Usage(1.6, 0.3, 1.5, 0.3, 400, 30), pc.Usage(0.4, 0.2, 0, 0, 0, 0)
+    )
+    report.passes[pc.EDITED] = cheaper
+    report.edited = "global\n    maxconn 8000\n"
+    text = pc.format_markdown(report)
+    head = next(line for line in text.splitlines() if line.startswith("| per append"))
+    assert head.endswith("| front door - direct (paced) | edited front door - direct (paced) |")
+    assert "| **member CPU µs** | 70.0 | 70.0 | 93.0 | 95.0 | 23.0 | 25.0 |" in text
+    assert "The hop (edited front door) costs **55.0 µs per append**" in text
+    assert "```\nglobal\n    maxconn 8000\n```" in text
+
+
+GENERATED = """global
+    maxconn 8000
+
+defaults
+    mode http
+    option forwardfor
+
+frontend streams
+    bind 127.0.0.1:4437
+    http-request set-header Streamkeep-Client-Http-Version %[req.ver]
+    http-request set-header Streamkeep-Client-Scheme %[ssl_fc,iif(https,http)]
+    default_backend member_m0
+
+backend member_m0
+    server m0 127.0.0.1:35177 check inter 1s fall 2 rise 1
+"""
+
+
+def test_edit_config_drops_adds_and_moves_the_front_door_only() -> None:
+    text = pc.edit_config(
+        GENERATED, drop=["Client-(Http-Version|Scheme)"], defaults=["http-reuse always"], port=5000
+    )
+    assert "set-header" not in text
+    assert "    bind 127.0.0.1:5000\n" in text
+    assert "server m0 127.0.0.1:35177" in text  # the member's address is not the front door's
+    assert "defaults\n    http-reuse always\n    mode http\n" in text
+    assert pc.edit_config(GENERATED, drop=[], defaults=[], port=4437) == GENERATED
 
 
 def test_differences_rank_the_largest_gain_first() -> None:
