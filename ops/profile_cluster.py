@@ -1,8 +1,9 @@
 """The cluster's front door measured like one server: what a hop through HAProxy costs per append.
 
     python -m ops.profile_cluster [--seconds 8] [--rounds 2] [--share 0.5 | --rate N] [--clients 32]
-                                  [--storage memory|disk] [--protocol h1|h2c] [--no-sample]
-                                  [--markdown] [--json FILE]
+                                  [--storage memory|disk] [--protocol h1|h2c] [--no-sample] [--perf]
+                                  [--haproxy-drop REGEX] [--haproxy-defaults LINE]
+                                  [--haproxy-replace OLD NEW] [--markdown] [--json FILE]
 
 Issue 26 measured an 8-member `cluster run` on 16 cores: members spent 5-40 µs more CPU per append
 through HAProxy than on the same load sent straight to them, and HAProxy 34-43 µs of its own. This
@@ -35,6 +36,14 @@ member's extra microseconds go. The member's answers are the same both ways, but
 request headers (X-Forwarded-For and three Streamkeep-* ones) and keeps its own connections to the
 member; the table counts the member's established connections in the middle of each pass.
 
+`--perf` samples HAProxy with Linux perf over one more paced pass of each front door: its hot
+symbols, their share of its samples and of its µs per append (no call graphs: HAProxy is C, the
+symbol is enough to point at a setting). `--haproxy-drop`, `--haproxy-defaults` and
+`--haproxy-replace` start a second HAProxy in front of the same member from the generated
+configuration edited so (lines dropped, lines added to `defaults`, text replaced), measured as one
+more paced path in every round: what a change to what `cluster run` generates would save, judged in
+the same run (for example `--haproxy-replace 'map_int(' 'map('`).
+
 HAProxy's health check (GET /healthz once a second) lands on the member in every pass, direct too:
 a few requests among thousands. The figures are for one machine at one moment: compare columns of
 the same run (docs/benchmarks.md keeps them with their command).
@@ -50,6 +59,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -369,10 +379,20 @@ def start_cluster(storage: str, data: Path, load_cpu: int) -> Cluster:
         raise
 
 
-def edit_config(text: str, *, drop: Sequence[str], defaults: Sequence[str], port: int) -> str:
+def edit_config(
+    text: str,
+    *,
+    drop: Sequence[str],
+    defaults: Sequence[str],
+    port: int,
+    replace: Sequence[tuple[str, str]] = (),
+) -> str:
     """The generated configuration less the lines matching a regular expression of `drop`, with
-    `defaults` added to its defaults section, listening on `port` (the two front doors run side by
-    side; `cluster run --processes 1` binds one address, its frontend's)."""
+    `defaults` added to its defaults section and each (old, new) of `replace` replaced as text,
+    listening on `port` (the two front doors run side by side; `cluster run --processes 1` binds one
+    address, its frontend's)."""
+    for old, new in replace:
+        text = text.replace(old, new)
     lines = []
     for line in text.splitlines():
         if any(re.search(pattern, line) for pattern in drop):
@@ -393,10 +413,11 @@ class Edited:
     config: str
 
 
-def start_edited(cluster: Cluster, drop: Sequence[str], defaults: Sequence[str], work: Path,
-                 load_cpu: int) -> Edited:  # fmt: skip
+def start_edited(cluster: Cluster, args: argparse.Namespace, work: Path, load_cpu: int) -> Edited:
     port = free_port()
-    text = edit_config(cluster.config.read_text(), drop=drop, defaults=defaults, port=port)
+    replace = [(old, new) for old, new in args.haproxy_replace]
+    text = edit_config(cluster.config.read_text(), drop=args.haproxy_drop, defaults=args.haproxy_defaults,
+                       port=port, replace=replace)  # fmt: skip
     path = work / "haproxy-edited.cfg"
     path.write_text(text)
     checked = subprocess.run(["haproxy", "-c", "-q", "-f", str(path)], capture_output=True, text=True)
@@ -521,7 +542,8 @@ def split(stacks: list[pa.Stack], pid: int, cost: Cost) -> pa.Breakdown:
     """The member's clean-pass µs per append split over its samples (profile_append's method)."""
     main = pa.Cpu(cost.main_us, cost.main_sys_us)
     other = pa.Cpu(cost.cpu_us - cost.main_us, cost.sys_us - cost.main_sys_us)
-    return pa.breakdown(stacks, pid, main, other, top=40)
+    # Every function, so the difference of two passes does not read a function one list cut off as 0.
+    return pa.breakdown(stacks, pid, main, other, top=1_000_000)
 
 
 def differences(direct: dict[str, float], front: dict[str, float]) -> list[tuple[str, float, float, float]]:
@@ -533,6 +555,60 @@ def differences(direct: dict[str, float], front: dict[str, float]) -> list[tuple
 
 def by_function(result: pa.Breakdown) -> dict[str, float]:
     return {name: us for name, _, us in result.top}
+
+
+# ---- where HAProxy's microseconds go (perf) ----------------------------------------------------
+
+_PERF_LINE = re.compile(r"^\s*([\d.]+)%\s+(\S+)\s+\[[.k]\]\s+(.+?)\s*$")
+
+
+def parse_perf(text: str) -> list[tuple[str, float]]:
+    """(symbol (object), % of samples) from `perf report --stdio --sort dso,sym`, largest first."""
+    rows = [(f"{m.group(3)} ({m.group(2)})", float(m.group(1))) for line in text.splitlines()
+            if (m := _PERF_LINE.match(line))]  # fmt: skip
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def perf_profile(
+    pid: int, setup: Setup, out: Path, load: Callable[[float], object]
+) -> list[tuple[str, float]]:
+    """perf's samples of HAProxy (on the load's CPU) while `load(seconds)` runs: its hot symbols."""
+    command = [
+        "taskset",
+        "-c",
+        str(setup.load_cpu),
+        "perf",
+        "record",
+        "-F",
+        "999",
+        "-p",
+        str(pid),
+        "-o",
+        str(out),
+    ]
+    record = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)  # perf attaches
+        load(setup.seconds)
+    finally:
+        record.send_signal(signal.SIGINT)
+        _, errors = record.communicate(timeout=30)
+    if record.returncode not in (0, -signal.SIGINT) or not out.exists():
+        raise RuntimeError(f"perf record failed (exit {record.returncode}): {errors}")
+    report = [
+        "perf",
+        "report",
+        "-i",
+        str(out),
+        "--no-children",
+        "--sort",
+        "dso,sym",
+        "--stdio",
+        "--percent-limit",
+        "1",
+    ]
+    done = subprocess.run(report, capture_output=True, text=True, timeout=60)
+    return parse_perf(done.stdout)
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -548,6 +624,9 @@ class Report:
     samples: dict[str, int] = field(default_factory=dict)  # path -> samples kept
     end: str = ""  # the machine's contention when the passes were done
     edited: str = ""  # the edited HAProxy's configuration, where there is one
+    haproxy_symbols: dict[str, list[tuple[str, float]]] = field(
+        default_factory=dict
+    )  # front door -> perf's %
 
     def hop(self, name: str = FRONT) -> Hop:
         direct, front = self.passes[DIRECT].cost(MEMBER), self.passes[name].cost(MEMBER)
@@ -569,10 +648,8 @@ def profile(args: argparse.Namespace, setup: Setup, progress: pa.Progress, head:
         try:
             pin(cluster.member, setup.member_cpu)
             paths = create_streams(cluster.server.url, STREAMS)
-            if args.haproxy_drop or args.haproxy_defaults:
-                edited = start_edited(
-                    cluster, args.haproxy_drop, args.haproxy_defaults, setup.work, setup.load_cpu
-                )
+            if args.haproxy_drop or args.haproxy_defaults or args.haproxy_replace:
+                edited = start_edited(cluster, args, setup.work, setup.load_cpu)
             return measure(cluster, paths, args, setup, progress, head, edited)
         finally:
             if edited is not None:
@@ -607,6 +684,15 @@ def measure(cluster: Cluster, paths: list[str], args: argparse.Namespace, setup:
             )
             passes[name].add(done)
     report = Report(head, rate, passes, end=contention(), edited=edited.config if edited else "")
+    if args.perf:
+        for url, name, haproxy in paced[1:]:
+            progress(f"{name}: perf on HAProxy")
+
+            def perf_load(seconds: float, url: str = url, name: str = name, haproxy: int = haproxy) -> object:
+                return run_load(cluster, url, paths, setup, seconds, rate, name, haproxy)
+
+            out = setup.work / f"perf-{len(report.haproxy_symbols)}.data"
+            report.haproxy_symbols[name] = perf_profile(haproxy, setup, out, perf_load)
     if setup.py_spy is None:
         return report
     results: dict[str, pa.Breakdown] = {}
@@ -693,6 +779,15 @@ def format_markdown(report: Report) -> str:
             f"and {h.member_sys_us:+.1f} sys ({h.member_voluntary:+.3f} voluntary, "
             f"{h.member_involuntary:+.3f} involuntary switches per append).",
         ]
+    for name, symbols in report.haproxy_symbols.items():
+        cost = report.passes[name].cost(HAPROXY)
+        assert cost is not None
+        lines += ["", f"Where HAProxy's µs go ({name}; perf samples, symbols of 1 % or more, "
+                  "over the clean passes' CPU):", "", "| symbol | % | µs per append |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| `{symbol}` | {share:.1f} | {share / 100 * cost.cpu_us:.1f} |"
+            for symbol, share in symbols[:12]
+        ]
     if report.edited:
         lines += ["", "The edited HAProxy's configuration:", "", "```", report.edited.rstrip(), "```"]
     if report.components:
@@ -736,6 +831,7 @@ def as_json(report: Report) -> dict[str, Any]:
             for name in report.fronts
         },
         "edited_config": report.edited,
+        "haproxy_symbols": report.haproxy_symbols,
         "components": report.components,
         "functions": report.functions,
     }
@@ -794,6 +890,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory")
     parser.add_argument("--protocol", choices=("h1", "h2c"), default="h1")
     parser.add_argument("--no-sample", action="store_true", help="skip the py-spy passes")
+    parser.add_argument("--perf", action="store_true", help="also sample HAProxy with perf (Linux perf)")
     parser.add_argument(
         "--haproxy-drop",
         action="append",
@@ -807,6 +904,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         metavar="LINE",
         help="also measure a second HAProxy with LINE added to the defaults section (repeatable)",
+    )
+    parser.add_argument(
+        "--haproxy-replace",
+        action="append",
+        nargs=2,
+        default=[],
+        metavar=("OLD", "NEW"),
+        help="also measure a second HAProxy with the text OLD of the generated configuration as NEW",
     )
     parser.add_argument("--markdown", action="store_true", help="(the only format; kept for `make`)")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")

@@ -171,6 +171,31 @@ def test_edit_config_drops_adds_and_moves_the_front_door_only() -> None:
     assert "server m0 127.0.0.1:35177" in text  # the member's address is not the front door's
     assert "defaults\n    http-reuse always\n    mode http\n" in text
     assert pc.edit_config(GENERATED, drop=[], defaults=[], port=4437) == GENERATED
+    replaced = pc.edit_config(GENERATED, drop=[], defaults=[], port=4437, replace=[("%[req.ver]", "1.1")])
+    assert "Streamkeep-Client-Http-Version 1.1\n" in replaced
+
+
+PERF = """# Samples: 1K of event 'cpu-clock:ppp'
+#
+# Overhead  Shared Object      Symbol
+# ........  .................  .........................................
+#
+     6.51%  [kernel.kallsyms]  [k] _raw_spin_unlock_irqrestore
+    22.39%  haproxy            [.] pat_match_int
+     1.64%  haproxy            [.] process_stream
+"""
+
+
+def test_perfs_report_becomes_symbols_by_share_and_us_over_haproxys_cpu() -> None:
+    symbols = pc.parse_perf(PERF)
+    assert symbols[0] == ("pat_match_int (haproxy)", 22.39)
+    assert [name for name, _ in symbols[1:]] == [
+        "_raw_spin_unlock_irqrestore ([kernel.kallsyms])",
+        "process_stream (haproxy)",
+    ]
+    report = made_up_report()
+    report.haproxy_symbols[pc.FRONT] = symbols
+    assert "| `pat_match_int (haproxy)` | 22.4 | 9.4 |" in pc.format_markdown(report)  # 22.39 % of 42 µs
 
 
 def test_differences_rank_the_largest_gain_first() -> None:
