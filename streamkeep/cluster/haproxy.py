@@ -3,7 +3,9 @@
 HAProxy terminates HTTP/1.1, h2c (prior knowledge is detected on a clear-text port) and TLS with
 ALPN h2 from clients in C, and talks HTTP/1.1 keep-alive to the members. It routes by the slot
 table of `placement.py`: `path,crc32,mod(4096)` looked up in a map file of slot -> backend, one
-backend with one server per member. Deliberately not `balance uri` + `hash-type consistent`:
+backend with one server per member. The lookup is `map` (exact string match, a tree), not
+`map_int`, whose integer match walks the 4096 lines one by one: a fifth of HAProxy's CPU per
+append (ops/profile_cluster.py --perf). Deliberately not `balance uri` + `hash-type consistent`:
 with health checks that hands a down member's streams to the next member on the ring, and `option
 redispatch` breaks persistence the same way; either would give a stream a second history. Here a
 down member's slots answer 503 with `Retry-After` until it is back. A replicated member's backend
@@ -95,9 +97,9 @@ def config(
         "    http-request set-header Streamkeep-Client-Http-Version %[req.ver]",
         # HAProxy terminates TLS: members build Location and callback URLs with the client's scheme.
         "    http-request set-header Streamkeep-Client-Scheme %[ssl_fc,iif(https,http)]",
-        f"    use_backend %[path,field({_SUBSCRIPTION_ID_FIELD},/),crc32,mod({SLOTS}),map_int({map_path})] "
+        f"    use_backend %[path,field({_SUBSCRIPTION_ID_FIELD},/),crc32,mod({SLOTS}),map({map_path})] "
         f"if {{ path_beg {SUBSCRIPTIONS_PREFIX} }}",
-        f"    use_backend %[path,crc32,mod({SLOTS}),map_int({map_path})] if {{ path_beg {STREAM_PREFIX} }}",
+        f"    use_backend %[path,crc32,mod({SLOTS}),map({map_path})] if {{ path_beg {STREAM_PREFIX} }}",
         f"    default_backend {backend(placement.members[0].id)}",
         "",
     ]
