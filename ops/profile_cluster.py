@@ -42,7 +42,10 @@ symbol is enough to point at a setting). `--haproxy-drop`, `--haproxy-defaults` 
 `--haproxy-replace` start a second HAProxy in front of the same member from the generated
 configuration edited so (lines dropped, lines added to `defaults`, text replaced), measured as one
 more paced path in every round: what a change to what `cluster run` generates would save, judged in
-the same run (for example `--haproxy-replace 'map_int(' 'map('`).
+the same run (`--haproxy-replace 'map(' 'map_int('` shows what c5291c2's `map` saved).
+
+With `--protocol h2c` h2load speaks h2c both ways, but HAProxy speaks HTTP/1.1 to the member: the
+member's difference is then h2c's cost against HTTP/1.1's as much as the hop's.
 
 HAProxy's health check (GET /healthz once a second) lands on the member in every pass, direct too:
 a few requests among thousands. The figures are for one machine at one moment: compare columns of
@@ -920,6 +923,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         py_spy, (member_cpu, load_cpu) = pa.check_tools()
         if shutil.which("haproxy") is None:
             raise pa.Missing("haproxy is missing: `make system-tools` installs it (apt-get install haproxy)")
+        if args.perf and shutil.which("perf") is None:
+            raise pa.Missing("perf is missing (--perf): apt-get install linux-perf")
     except pa.Missing as missing:
         print(f"profile_cluster: {missing}", file=sys.stderr)
         return 2
