@@ -223,6 +223,11 @@ def test_h2load_output_latencies_and_command() -> None:
         "status codes: 1998 2xx, 0 3xx, 1 4xx, 0 5xx\n"
     )
     assert pc.parse_h2load(out) == pc.Result(1998, 2, 2.0)
+    # Replies h2load could not read (an HTTP/1.1 status line it refused): failed, with no status code.
+    unread = out.replace("1998 succeeded, 2 failed", "0 succeeded, 2000 failed").replace("1998 2xx", "0 2xx")
+    assert pc.parse_h2load(unread) == pc.Result(0, 2000, 2.0)
+    # A timed run ends with requests in flight: started, not done, not failed.
+    assert pc.parse_h2load(out.replace("2000 started", "2032 started")) == pc.Result(1998, 2, 2.0)
     with pytest.raises(RuntimeError):
         pc.parse_h2load("nothing")
     assert pc.parse_latencies("1700000000\t201\t1234\n1700000001\t201\t99\nbad\n") == [1234, 99]
