@@ -36,6 +36,9 @@ member's extra microseconds go. The member's answers are the same both ways, but
 request headers (X-Forwarded-For and three Streamkeep-* ones) and keeps its own connections to the
 member; the table counts the member's established connections in the middle of each pass.
 
+`--sample-saturated` samples a saturated direct pass too, and splits the member's
+saturated µs the same way: the difference with the paced direct pass is what part load costs it.
+
 `--perf` samples HAProxy with Linux perf over one more paced pass of each front door: its hot
 symbols, their share of its samples and of its µs per append (no call graphs: HAProxy is C, the
 symbol is enough to point at a setting). `--haproxy-drop`, `--haproxy-defaults` and
@@ -627,6 +630,9 @@ class Report:
     passes: dict[str, Pass]
     components: list[tuple[str, float, float, float]] = field(default_factory=list)
     functions: list[tuple[str, float, float, float]] = field(default_factory=list)
+    # The same, direct: saturated against paced (what part load costs the member), with --sample-saturated
+    pacing_components: list[tuple[str, float, float, float]] = field(default_factory=list)
+    pacing_functions: list[tuple[str, float, float, float]] = field(default_factory=list)
     samples: dict[str, int] = field(default_factory=dict)  # path -> samples kept
     end: str = ""  # the machine's contention when the passes were done
     edited: str = ""  # the edited HAProxy's configuration, where there is one
@@ -702,19 +708,25 @@ def measure(cluster: Cluster, paths: list[str], args: argparse.Namespace, setup:
     if setup.py_spy is None:
         return report
     results: dict[str, pa.Breakdown] = {}
-    for url, name in ((direct, DIRECT), (front, FRONT)):
+    sampled_paths = [(direct, DIRECT, rate), (front, FRONT, rate)]
+    if args.sample_saturated:
+        sampled_paths.append((direct, SATURATED, None))
+    for url, name, pace in sampled_paths:
         progress(f"{name}: sampled pass, py-spy at {pa.SAMPLE_RATE}/s on the member")
 
-        def load(seconds: float, url: str = url, name: str = name) -> object:
-            return run_load(cluster, url, paths, setup, seconds, rate, name)
+        def load(seconds: float, url: str = url, name: str = name, pace: float | None = pace) -> object:
+            return run_load(cluster, url, paths, setup, seconds, pace, name)
 
-        stacks = sampled(cluster.member, setup, setup.work / f"py-spy-{name[:5]}.txt", load)
+        stacks = sampled(cluster.member, setup, setup.work / f"py-spy-{len(results)}.txt", load)
         cost = passes[name].cost(MEMBER)
         assert cost is not None
         results[name] = split(stacks, cluster.member, cost)
         report.samples[name] = sum(results[name].samples.values())
     report.components = differences(results[DIRECT].us, results[FRONT].us)
     report.functions = differences(by_function(results[DIRECT]), by_function(results[FRONT]))
+    if SATURATED in results:
+        report.pacing_components = differences(results[SATURATED].us, results[DIRECT].us)
+        report.pacing_functions = differences(by_function(results[SATURATED]), by_function(results[DIRECT]))
     return report
 
 
@@ -801,16 +813,32 @@ def format_markdown(report: Report) -> str:
                   f"samples kept: {', '.join(f'{k} {v:,}' for k, v in report.samples.items())}):", ""]  # fmt: skip
         lines += _difference_table("component", report.components)
         lines += ["", "Functions by self time (innermost frame), largest gain first, then largest loss:", ""]
-        gains = [row for row in report.functions if row[3] > 0][:8]
-        losses = [row for row in report.functions if row[3] < 0][-4:]
-        lines += _difference_table("function", gains + losses, code=True)
+        lines += _difference_table("function", _extremes(report.functions), code=True)
+    if report.pacing_components:
+        columns = ("direct saturated µs", "direct paced µs")
+        lines += [
+            "",
+            "What part load costs the member, direct (the same split, saturated against paced):",
+            "",
+        ]
+        lines += _difference_table("component", report.pacing_components, columns)
+        lines += ["", "Functions by self time, largest gain first, then largest loss:", ""]
+        lines += _difference_table("function", _extremes(report.pacing_functions), columns, code=True)
     return "\n".join(lines)
 
 
+def _extremes(rows: list[tuple[str, float, float, float]]) -> list[tuple[str, float, float, float]]:
+    """The 8 largest gains and the 4 largest losses of a ranked difference list."""
+    return [row for row in rows if row[3] > 0][:8] + [row for row in rows if row[3] < 0][-4:]
+
+
 def _difference_table(
-    what: str, rows: list[tuple[str, float, float, float]], code: bool = False
+    what: str,
+    rows: list[tuple[str, float, float, float]],
+    columns: tuple[str, str] = ("direct µs", "front door µs"),
+    code: bool = False,
 ) -> list[str]:
-    lines = [f"| {what} | direct µs | front door µs | difference µs |", "|---|---|---|---|"]
+    lines = [f"| {what} | {columns[0]} | {columns[1]} | difference µs |", "|---|---|---|---|"]
     for name, direct, front, difference in rows:
         shown = f"`{name}`" if code else name
         lines.append(f"| {shown} | {direct:.1f} | {front:.1f} | {difference:+.1f} |")
@@ -840,6 +868,8 @@ def as_json(report: Report) -> dict[str, Any]:
         "haproxy_symbols": report.haproxy_symbols,
         "components": report.components,
         "functions": report.functions,
+        "pacing_components": report.pacing_components,
+        "pacing_functions": report.pacing_functions,
     }
 
 
@@ -897,6 +927,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--protocol", choices=("h1", "h2c"), default="h1")
     parser.add_argument("--no-sample", action="store_true", help="skip the py-spy passes")
     parser.add_argument("--perf", action="store_true", help="also sample HAProxy with perf (Linux perf)")
+    parser.add_argument(
+        "--sample-saturated",
+        action="store_true",
+        help="also sample the member direct and saturated: where part load's extra µs go",
+    )
     parser.add_argument(
         "--haproxy-drop",
         action="append",

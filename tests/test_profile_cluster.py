@@ -198,6 +198,19 @@ def test_perfs_report_becomes_symbols_by_share_and_us_over_haproxys_cpu() -> Non
     assert "| `pat_match_int (haproxy)` | 22.4 | 9.4 |" in pc.format_markdown(report)  # 22.39 % of 42 µs
 
 
+def test_the_part_load_split_has_its_own_tables() -> None:
+    report = made_up_report()
+    report.components = [("trio scheduling", 30.0, 33.0, 3.0)]
+    report.pacing_components = [("trio scheduling", 20.0, 30.0, 10.0), ("storage", 9.0, 8.0, -1.0)]
+    report.pacing_functions = [(f"f{i}", 0.0, 1.0, 1.0) for i in range(10)] + [("g", 2.0, 1.0, -1.0)]
+    text = pc.format_markdown(report)
+    assert "| component | direct saturated µs | direct paced µs | difference µs |" in text
+    assert "| trio scheduling | 20.0 | 30.0 | +10.0 |" in text
+    assert (
+        "`f7`" in text and "`f8`" not in text and "| `g` | 2.0 | 1.0 | -1.0 |" in text
+    )  # 8 gains, then losses
+
+
 def test_differences_rank_the_largest_gain_first() -> None:
     rows = pc.differences({"a": 10.0, "b": 5.0}, {"a": 12.0, "b": 1.0, "c": 3.0})
     assert [(name, round(diff, 6)) for name, _, _, diff in rows] == [("c", 3.0), ("a", 2.0), ("b", -4.0)]
