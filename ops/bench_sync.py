@@ -291,13 +291,16 @@ def part_sink(rig: Rig, args: argparse.Namespace) -> None:
     began = time.monotonic()
     # From the first commit on: the process's start (imports, connections, tables) is not the
     # sink's speed, and is timed apart.
-    first_rows: list[int] = []
-    first = sync.wait(
-        lambda: bool(first_rows.append(sync.rows(name)) or first_rows[-1]), 120, "a first commit"
-    )
+    first_rows = [0]
+
+    def committed() -> bool:
+        first_rows[0] = sync.rows(name)
+        return first_rows[0] > 0
+
+    first = sync.wait(committed, 120, "a first commit")
     ended = sync.wait(lambda: sync.rows(name) >= args.messages, 600, f"{args.messages} messages applied")
     sync.stop()
-    rate = (args.messages - first_rows[-1]) / (ended - first)
+    rate = (args.messages - first_rows[0]) / (ended - first)
     whole = args.messages / (ended - began)
     rig.results["sink state-mode messages/s"] = round(rate)
     rig.results["sink state-mode messages/s, process start included"] = round(whole)

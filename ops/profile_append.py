@@ -73,7 +73,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -357,7 +357,7 @@ def breakdown(stacks: Iterable[Stack], pid: int, main: Cpu, other: Cpu, top: int
             unsampled += cpu.us
     us = dict.fromkeys(COMPONENTS, 0.0)
     samples = dict.fromkeys(COMPONENTS, 0)
-    self_us: Counter[tuple[str, str]] = Counter()
+    self_us: defaultdict[tuple[str, str], float] = defaultdict(float)  # µs: Counter holds ints
     self_samples: Counter[str] = Counter()
     for key, part in kept.items():
         for (component, function), count in part.items():
@@ -366,7 +366,7 @@ def breakdown(stacks: Iterable[Stack], pid: int, main: Cpu, other: Cpu, top: int
             self_us[(component, function)] += count * weights[key]
             self_samples[function] += count
     us[OTHER] += unsampled
-    by_function: Counter[str] = Counter()
+    by_function: defaultdict[str, float] = defaultdict(float)
     inside: dict[str, list[tuple[str, float]]] = {}
     for (component, function), value in sorted(self_us.items(), key=lambda item: -item[1]):
         by_function[function] += value

@@ -81,6 +81,7 @@ from urllib.parse import urlsplit
 
 from ops import profile_append as pa
 from ops.bench_cluster import children
+from ops.loadtest import h2load
 from ops.loadtest.servers import pin
 from ops.serverproc import ROOT, ServerProcess, launch
 
@@ -302,32 +303,6 @@ def hop(direct: Cost, front: Cost, haproxy: Cost) -> Hop:
 # ---- h2load, paced ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Result:
-    ok: int
-    failed: int
-    seconds: float
-
-
-def parse_h2load(out: str) -> Result:
-    """What h2load reports. Every request done and not answered 2xx failed: a reply h2load could not
-    read counts among its "failed" with no status code, which the status counts alone miss. ("started"
-    also counts the requests still in flight when a timed run ends.)"""
-    finished = re.search(r"finished in ([\d.]+)(m?s)", out)
-    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
-    done = re.search(r"(\d+) started, (\d+) done", out)
-    if not (finished and codes and done):
-        raise RuntimeError("h2load output not understood:\n" + out)
-    seconds = float(finished.group(1)) / (1000 if finished.group(2) == "ms" else 1)
-    ok = int(codes.group(1))
-    return Result(ok, int(done.group(2)) - ok, seconds)
-
-
-def parse_latencies(text: str) -> list[int]:
-    """h2load's --log-file: start time, status, duration in µs, tab-separated, a request a line."""
-    return [int(line.split("\t")[2]) for line in text.splitlines() if line.count("\t") >= 2]
-
-
 def h2load_command(
     uris: Path, body: Path, *, clients: int, seconds: float, rate: float | None, h2: bool, cpu: int, log: Path
 ) -> list[str]:
@@ -502,10 +477,10 @@ def run_load(cluster: Cluster, url: str, paths: list[str], setup: Setup, seconds
     done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
     after = {role: usage(pid) for role, pid in roles.items()}
     timer.join()
-    result = parse_h2load(done.stdout + done.stderr)
+    result = h2load.parse(done.stdout + done.stderr)
     if not result.ok:
         raise RuntimeError(f"{name}: no append succeeded ({result.failed} failed)")
-    latencies = parse_latencies(log.read_text()) if log.exists() else []
+    latencies = h2load.parse_latencies(log.read_text()) if log.exists() else []
     used = {role: after[role] - before[role] for role in roles}
     return Pass(name, result.ok, result.failed, result.seconds, used, latencies, counted)
 

@@ -12,6 +12,7 @@ import pytest
 
 from ops import profile_append as pa
 from ops import profile_cluster as pc
+from ops.loadtest import h2load
 
 # A command name with a space and a ')' in it: the fields count from the last ')'.
 STAT = "4242 (py thon) x) S 1 4242 4242 0 -1 4194560 900 0 0 0 250 40 0 0 20 0 3 0 100 0 0"
@@ -235,15 +236,15 @@ def test_h2load_output_latencies_and_command() -> None:
         "requests: 2000 total, 2000 started, 2000 done, 1998 succeeded, 2 failed, 1 errored, 0 timeout\n"
         "status codes: 1998 2xx, 0 3xx, 1 4xx, 0 5xx\n"
     )
-    assert pc.parse_h2load(out) == pc.Result(1998, 2, 2.0)
+    assert h2load.parse(out) == h2load.Counts(1998, 2, 2.0)
     # Replies h2load could not read (an HTTP/1.1 status line it refused): failed, with no status code.
     unread = out.replace("1998 succeeded, 2 failed", "0 succeeded, 2000 failed").replace("1998 2xx", "0 2xx")
-    assert pc.parse_h2load(unread) == pc.Result(0, 2000, 2.0)
+    assert h2load.parse(unread) == h2load.Counts(0, 2000, 2.0)
     # A timed run ends with requests in flight: started, not done, not failed.
-    assert pc.parse_h2load(out.replace("2000 started", "2032 started")) == pc.Result(1998, 2, 2.0)
+    assert h2load.parse(out.replace("2000 started", "2032 started")) == h2load.Counts(1998, 2, 2.0)
     with pytest.raises(RuntimeError):
-        pc.parse_h2load("nothing")
-    assert pc.parse_latencies("1700000000\t201\t1234\n1700000001\t201\t99\nbad\n") == [1234, 99]
+        h2load.parse("nothing")
+    assert h2load.parse_latencies("1700000000\t201\t1234\n1700000001\t201\t99\nbad\n") == [1234, 99]
     paced = pc.h2load_command(Path("u"), Path("b"), clients=32, seconds=1.5, rate=4000, h2=False, cpu=1,
                               log=Path("l"))  # fmt: skip
     assert paced[:3] == ["taskset", "-c", "1"]
