@@ -273,6 +273,31 @@ def test_appends_stored_against_real_time_order_are_reported() -> None:
     assert "ack-not-at-position" in found or "order" in found
 
 
+def test_not_ready_is_explained_by_a_restart_still_recovering_and_by_nothing_else() -> None:
+    """A restarted server answers 503 not_ready while it reads its data directory back; the rig
+    records the restart only once that is over (rig.Server.start), so the down window covers it."""
+    error = json.dumps({"error": {"code": "not_ready", "message": "the server is not ready yet: recovering"}})
+
+    def append_during(faults: list[tuple[str, float]]) -> list[str]:
+        s = three_appends()
+        for kind, at in faults:
+            s.fault(kind, at=at)
+        s.op(
+            "append",
+            "txt/0",
+            Call("POST", "/v1/stream/txt/0"),
+            Outcome(503, body=error),
+            {"record": "w0.4", "stored": rec("w0.4"), "record_ids": ["w0.4"]},
+            at=20.0,
+        )
+        return s.check()
+
+    assert append_during([("kill", 19.0), ("restart", 22.0)]) == []
+    assert append_during([]) == ["unexplained-503"]
+    assert append_during([("kill", 5.0), ("restart", 6.0)]) == ["unexplained-503"]  # long over
+    assert append_during([("disk_full", 19.0), ("disk_freed", 22.0)]) == ["unexplained-503"]
+
+
 def test_a_503_needs_a_fault() -> None:
     error = json.dumps(
         {"error": {"code": "storage_unavailable", "message": "Bad file descriptor; retry shortly"}}

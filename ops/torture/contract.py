@@ -63,7 +63,8 @@ def named(op: str, status: int) -> bool:
 
 def fault_reason(status: int, body: str) -> str:
     """Which fault an error response blames: "disk" (full or failing disk), "cold-read" (the bucket
-    cannot serve a read), "cold-backlog" (sealed segments wait for S3: the high-water mark).
+    cannot serve a read), "cold-backlog" (sealed segments wait for S3: the high-water mark), "down"
+    (not_ready: a restarted server still reading its data directory back).
 
     The server's error body names the reason by a stable code ({"error": {"code", "message"}},
     streamkeep/storage/errors.py); anything not about the cold tier is taken as a disk fault, the
@@ -71,7 +72,7 @@ def fault_reason(status: int, body: str) -> str:
     """
     if status == 507:
         return "disk"
-    return {"cold_backlog": "cold-backlog", "cold_tier_unavailable": "cold-read"}.get(
+    return {"cold_backlog": "cold-backlog", "cold_tier_unavailable": "cold-read", "not_ready": "down"}.get(
         error_code(body), "disk"
     )
 

@@ -1156,6 +1156,8 @@ class Model:
             )
         if reason == "disk":
             return disk
+        if reason == "down":  # not_ready: the restart's window lasts until recovery ends (rig.py)
+            return self.server_down(s, e)
         if reason == "cold-backlog":  # uploads wait for the bucket, or fail to read a failing disk
             grace = contract.GRACE["cold-backlog"]
             return (
