@@ -450,10 +450,12 @@ def start_server(storage: str, data: Path) -> ServerProcess:
     return start(*durable, "--log-level", "warning")
 
 
-def create_streams(server: ServerProcess, count: int) -> list[str]:
-    address = urlsplit(server.url)
+def create_streams(url: str, count: int, prefix: str = "profile") -> list[str]:
+    """`count` text/plain streams, created over one connection as a client would (through a
+    cluster's front door too)."""
+    address = urlsplit(url)
     connection = http.client.HTTPConnection(address.hostname or "127.0.0.1", address.port, timeout=10)
-    paths = [f"/v1/stream/profile-{i}" for i in range(count)]
+    paths = [f"/v1/stream/{prefix}-{i}" for i in range(count)]
     try:
         for path in paths:
             connection.request("PUT", path, headers={"Content-Type": "text/plain"})
@@ -552,7 +554,7 @@ def profile(storage: str, protocol: str, setup: Setup, progress: Progress) -> Co
         server = start_server(storage, work)
         try:
             pin(server.process.pid, setup.server_cpu)
-            paths = create_streams(server, CLIENTS)
+            paths = create_streams(server.url, CLIENTS)
             progress(f"{name}: warm-up, {WARM_UP_SECONDS:g} s")
             load(server, paths, protocol, setup, WARM_UP_SECONDS)
             progress(f"{name}: clean pass, {setup.seconds:g} s of h2load (CPU {setup.load_cpu})")

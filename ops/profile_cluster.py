@@ -58,7 +58,6 @@ the same run (docs/benchmarks.md keeps them with their command).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import platform
@@ -77,7 +76,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from ops import profile_append as pa
 from ops.bench_cluster import children
@@ -429,23 +427,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def create_streams(url: str, count: int) -> list[str]:
-    """`count` text/plain streams, created through the front door as a client would."""
-    address = urlsplit(url)
-    connection = http.client.HTTPConnection(address.hostname or "127.0.0.1", address.port, timeout=10)
-    paths = [f"/v1/stream/profile-cluster-{i}" for i in range(count)]
-    try:
-        for path in paths:
-            connection.request("PUT", path, headers={"Content-Type": "text/plain"})
-            response = connection.getresponse()
-            response.read()
-            if response.status != 201:
-                raise RuntimeError(f"PUT {path}: {response.status} {response.reason}")
-    finally:
-        connection.close()
-    return paths
-
-
 @dataclass(frozen=True)
 class Setup:
     seconds: float
@@ -634,7 +615,7 @@ def profile(args: argparse.Namespace, setup: Setup, progress: pa.Progress, head:
         edited = None
         try:
             pin(cluster.member, setup.member_cpu)
-            paths = create_streams(cluster.server.url, STREAMS)
+            paths = pa.create_streams(cluster.server.url, STREAMS, prefix="profile-cluster")
             if args.haproxy_drop or args.haproxy_defaults or args.haproxy_replace:
                 edited = start_edited(cluster, args, setup.work, setup.load_cpu)
             return measure(cluster, paths, args, setup, progress, head, edited)
