@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from streamkeep.protocol import cursor, headers, jsonmode, offsets, sse
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers
 from streamkeep.protocol.names import check_stream_name, parse_stream_name
+from streamkeep.protocol.state_fold import StateFold
 from streamkeep.protocol.stream import (
     AppendOutcome,
     AppendPlan,
@@ -187,6 +190,18 @@ def test_invalid_json_and_empty_arrays_are_400(body: bytes) -> None:
     with pytest.raises(ProtocolError) as caught:
         jsonmode.split_messages(body, allow_empty_array=False)
     assert caught.value.status == 400
+
+
+def test_a_lone_surrogate_escape_is_stored_escaped_and_reads_back_the_same() -> None:
+    """JSON by its grammar, with no UTF-8 form: stored with its non-ASCII escaped, not a failed
+    encode (a 500); a snapshot of such a value (compaction) is encoded the same way."""
+    body = '[{"s": "x\\ud800y", "t": "é"}]'.encode()
+    stored = jsonmode.split_messages(body, allow_empty_array=False)
+    assert stored == [b'{"s":"x\\ud800y","t":"\\u00e9"}']
+    assert json.loads(stored[0]) == json.loads(body)[0]
+    fold = StateFold()
+    fold.apply(b'{"type": "t", "key": "k", "value": "\\udc00", "headers": {"operation": "insert"}}')
+    assert json.loads(fold.snapshot("x")[1])["value"] == "\udc00"
 
 
 def test_empty_array_creates_empty_json_stream() -> None:

@@ -23,6 +23,18 @@ def _finite(text: str) -> float:
 
 _decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
 _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_ascii_encoder = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+
+
+def encode_message(value: object) -> bytes:
+    """A message's stored bytes. A string with a lone surrogate escape ("\\ud800" alone) is JSON by
+    its grammar but has no UTF-8 form: such a message is stored with its non-ASCII characters
+    escaped, which reads back as the same value (never a failed encode, a 500)."""
+    text = _encoder.encode(value)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return _ascii_encoder.encode(value).encode()
 
 
 def split_messages(body: bytes, *, allow_empty_array: bool) -> list[bytes]:
@@ -37,8 +49,8 @@ def split_messages(body: bytes, *, allow_empty_array: bool) -> list[bytes]:
             raise bad_request(
                 "empty_json_array", "an empty JSON array appends nothing; send at least one message"
             )
-        return [_encoder.encode(item).encode() for item in value]
-    return [_encoder.encode(value).encode()]
+        return [encode_message(item) for item in value]
+    return [encode_message(value)]
 
 
 def render_array(messages: list[bytes]) -> bytes:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from streamkeep.protocol.jsonmode import encode_message
+
 OPERATIONS = frozenset(("insert", "update", "upsert", "delete"))
 CONTROLS = frozenset(("snapshot-start", "snapshot-end", "reset"))
 
@@ -76,12 +78,12 @@ class StateFold:
 
     def snapshot(self, offset: str) -> list[bytes]:
         """The messages of a snapshot of the state as it stands at stream offset `offset`."""
-        messages = [_encode({"headers": {"control": "snapshot-start", "offset": offset}})]
+        messages = [encode_message({"headers": {"control": "snapshot-start", "offset": offset}})]
         for (kind, key), value in sorted(self.state.items()):
             messages.append(
-                _encode({"type": kind, "key": key, "value": value, "headers": {"operation": "insert"}})
+                encode_message({"type": kind, "key": key, "value": value, "headers": {"operation": "insert"}})
             )
-        messages.append(_encode({"headers": {"control": "snapshot-end", "offset": offset}}))
+        messages.append(encode_message({"headers": {"control": "snapshot-end", "offset": offset}}))
         return messages
 
     def view(self) -> dict[str, dict[str, Any]]:
@@ -90,7 +92,3 @@ class StateFold:
         for (kind, key), value in sorted(self.state.items()):
             out.setdefault(kind, {})[key] = value
         return out
-
-
-def _encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
