@@ -168,6 +168,53 @@ async def test_with_a_dead_letter_table_misfits_are_set_aside_and_the_rest_appli
         ]
 
 
+async def test_a_log_table_shared_by_two_mappings_stops_the_second_while_a_users_unique_key_dead_letters(
+    server: str, database: str
+) -> None:
+    """A row already at a message's place (stream_offset, message_index) is no message's fault:
+    another mapping writes the table, or this one was renamed. It stops the mapping rather than
+    dead-lettering the whole stream; a duplicate under a unique key of the user's is the message's."""
+    query_commit(
+        database,
+        # the place's index first, as in a table the sink made and the user indexed later: a row
+        # breaking both is reported against the first index Postgres checks
+        "CREATE TABLE shared (stream text, stream_offset text, message_index int, message jsonb, "
+        "n bigint, UNIQUE (stream_offset, message_index), UNIQUE (n))",
+    )
+    first = mapping(database, "shared", "log", columns={"n": "n"}, dead_letter="public.shared_dead")
+    second = StreamToPg(**{**first.__dict__, "name": "shared_again"})
+    async with Client(server) as client:
+        await create(client, first.stream)
+        await append(client, first.stream, [{"n": 1}, {"n": 1}, {"n": 2}])
+        await run_until_caught_up(server, first)
+        assert query(database, "SELECT n FROM shared ORDER BY message_index") == [(1,), (2,)]
+        dead = query(database, "SELECT message_index, error FROM shared_dead")
+        assert [(i, e.split(":")[0]) for i, e in dead] == [(1, "Postgres refused it, SQLSTATE 23505")]
+        with trio.fail_after(10), pytest.raises(MappingStopped) as stopped:
+            await run(second, client, MappingStats(second.name, "stream_to_pg"))
+        assert "already holds rows at the places" in str(stopped.value)
+        assert stored_offset(database, "shared_again") == "-1"
+        assert len(query(database, "SELECT 1 FROM shared_dead")) == 1  # nothing more set aside
+
+
+async def test_a_reset_sets_aside_again_only_what_the_replay_refuses(server: str, database: str) -> None:
+    """`streamkeep sync reset` applies the stream again from the start, so the mapping's old
+    dead-letter rows go in the same transaction as the table's contents (another mapping's stay)."""
+    sink = mapping(database, "replayed", dead_letter="public.replay_dead")
+    other = mapping(database, "bystander", dead_letter="public.replay_dead")
+    nul = change("t", "b", "nul \u0000 inside")
+    async with Client(server) as client:
+        for each in (sink, other):
+            await create(client, each.stream)
+            await append(client, each.stream, [change("t", "a", 1), nul])
+            await run_until_caught_up(server, each)
+        await trio.to_thread.run_sync(reset, sink)
+        await run_until_caught_up(server, sink)
+        rows = query(database, "SELECT mapping, count(*) FROM replay_dead GROUP BY mapping ORDER BY mapping")
+        assert rows == [("bystander", 1), ("replayed", 1)]
+        assert state_table(database, "replayed") == {("t", "a"): 1}
+
+
 async def test_typed_columns_of_a_table_made_by_hand_are_checked(server: str, database: str) -> None:
     query_commit(
         database,

@@ -241,6 +241,13 @@ class Sink:
                 ) from error
             try:
                 outcome = commit.apply(self.conn, self.names, mapping.stream, stored, next_offset, each)
+            except salvage.PlaceTaken as taken:
+                raise MappingStopped(
+                    f"sync {mapping.name}: table {mapping.table} already holds rows at the places of the "
+                    f"batch at offset {parts[0].offset} ({taken}): another mapping writes this stream to "
+                    "it, or this mapping was renamed. Give each mapping a table of its own (or run the "
+                    f"old name), or empty it and `streamkeep sync reset {mapping.name}`."
+                ) from taken
             except salvage.REFUSED as again:
                 raise MappingStopped(
                     f"sync {mapping.name}: the batch at offset {parts[0].offset} has a message Postgres "

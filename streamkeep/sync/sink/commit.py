@@ -81,6 +81,12 @@ def apply(
                 ) from error
             set_up = True
             offsets.advance(cur, names, before, Stored(next_offset, before.version + 1, before.in_snapshot))
+            if before.clear_pending and names.dead_letter is not None:
+                # Applied again from the beginning (reset, a state-mode resync): what it sets aside
+                # is set aside again, so the old rows would be twice.
+                cur.execute(
+                    sql.SQL("DELETE FROM {} WHERE mapping = %s").format(names.dead_letter), (names.mapping,)
+                )
             outcome = write(cur)
             if outcome.in_snapshot != before.in_snapshot:
                 offsets.mark_snapshot(cur, names, outcome.in_snapshot)

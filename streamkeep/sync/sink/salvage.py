@@ -22,6 +22,14 @@ from streamkeep.sync.sink.batch import Misfit, Outcome, Part
 # What makes a message, not the batch or the connection, the cause: the data and integrity classes,
 # and bytes that are not UTF-8 (a JSON stream's are, so this is a byte stream's text column).
 REFUSED = (psycopg.errors.DataError, psycopg.errors.IntegrityError, UnicodeDecodeError)
+# The log table's own key: a row already there at a message's place says the table is shared (two
+# mappings, or one renamed), which no message can be blamed for.
+PLACE_COLUMNS = frozenset(("stream", "stream_offset", "message_index"))
+
+
+class PlaceTaken(Exception):
+    """The log table already holds a row at a message's (stream_offset, message_index)."""
+
 
 # A batch's write: (cursor, parts, in_snapshot, clear_first) -> what it did.
 PartsWriter = Callable[[psycopg.Cursor[Any], list[Part], bool, bool], Outcome]
@@ -49,6 +57,8 @@ def write_each(
             done = write(cur, [part], in_snapshot, False)
         except REFUSED as error:
             cur.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+            if _place_taken(cur, error):
+                raise PlaceTaken(describe(error)) from error
             message = part.messages[0] if part.messages else part.data
             misfits.append(Misfit(part.offset, part.first_index, message, describe(error)))
             continue
@@ -75,9 +85,31 @@ def singles(parts: list[Part], raw_json: bool) -> Iterator[Part]:
             yield Part(part.offset, part.next_offset, [message], data, part.first_index + index)
 
 
+def _place_taken(cur: psycopg.Cursor[Any], error: BaseException) -> bool:
+    """Whether `error` is a unique violation of an index on the log's place columns only (its
+    UNIQUE (stream_offset, message_index), whatever it is named), not of a key of the user's."""
+    if not isinstance(error, psycopg.errors.UniqueViolation):
+        return False
+    diag = error.diag
+    if not (diag.constraint_name and diag.schema_name):
+        return False
+    row = cur.execute(
+        """SELECT array_agg(a.attname::text) FROM pg_index i
+           JOIN pg_class ic ON ic.oid = i.indexrelid
+           JOIN pg_namespace n ON n.oid = ic.relnamespace
+           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+           WHERE ic.relname = %s AND n.nspname = %s""",
+        (diag.constraint_name, diag.schema_name),
+    ).fetchone()
+    columns: list[str] = (row[0] if row is not None else None) or []
+    return bool(columns) and set(columns) <= PLACE_COLUMNS
+
+
 def describe(error: BaseException) -> str:
-    """Why Postgres refused a message, as a dead-letter row or a log line says it."""
+    """Why a message was refused, as a dead-letter row or a log line says it."""
     if isinstance(error, psycopg.Error) and error.diag.message_primary:
         detail = f" ({error.diag.message_detail})" if error.diag.message_detail else ""
         return f"Postgres refused it, SQLSTATE {error.diag.sqlstate}: {error.diag.message_primary}{detail}"
-    return f"Postgres refused it: {error}"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text, which its column needs: {error}"
+    return f"refused: {error}"
