@@ -32,7 +32,9 @@ def client_heavy(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def short_run(seed: int) -> Result:
-    result = run(Options(seed=seed, duration=12, workers=4, disk="tmpfs", cold=False), log=lambda _line: None)
+    # 20 s, not 12: a restart counts as down until recovery ends, and in a 12 s run on a loaded CI no
+    # client read once got far enough to judge (stop 32).
+    result = run(Options(seed=seed, duration=20, workers=4, disk="tmpfs", cold=False), log=lambda _line: None)
     print(format_summary(result))
     return result
 
