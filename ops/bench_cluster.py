@@ -1,14 +1,19 @@
-"""Appends through HAProxy to two single-writer processes, beside one process direct (issue 16).
+"""Appends through HAProxy to two single-writer processes, beside one process direct (issues 16, 26).
 
-    python -m ops.bench_cluster [--seconds 4] [--storage memory|disk]
+    python -m ops.bench_cluster [--seconds 4] [--storage memory|disk] [--clients 16] [--streams 64]
+                                [--tail-share 0.8] [--rounds 1]
 
 In one run on this machine: one `streamkeep serve` direct, then `streamkeep cluster run
---processes 2` (HAProxy in front), each loaded by h2load (16 connections, 100 B appends to 16
-streams of their own) over HTTP/1.1 and over h2c. Server CPU per append is read from /proc for
-every process that serves (HAProxy and the members together), so the front door's cost counts.
-Nothing is pinned: the cluster's point is to use every core. Prints a Markdown table and a
-projection of appends/s on 16 cores from the measured CPU per append (a projection, not a
-measurement: it assumes CPU is the limit and the cores scale linearly).
+--processes 2` (HAProxy in front, as it generates it), each loaded by h2load (`--clients`
+connections, one 100 B append in flight each, cycling over `--streams` streams) over HTTP/1.1 and
+over h2c, as fast as they are answered. Server CPU per append is read from /proc for every process
+that serves, split into HAProxy and the members, so the front door's cost counts. Then the tail:
+the cluster paced at `--tail-share` of the capacity it just showed over HTTP/1.1, where issue 26
+wants no append slower than 100 ms. Latency p50/p99/max comes from h2load's log of every request.
+Nothing is pinned: the cluster's point is to use every core. `--rounds` repeats the whole
+sequence (this machine drifts; compare within a round). Prints Markdown tables and a projection of
+appends/s on 16 cores from the measured CPU per append (a projection, not a measurement: it
+assumes CPU is the limit and the cores scale linearly).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,7 +35,8 @@ from ops.loadtest import h2load
 from ops.loadtest.servers import cpu_seconds
 from ops.serverproc import ServerProcess, launch, start
 
-CLIENTS = 16
+DIRECT, FRONT = "1 process, direct", "2 processes behind HAProxy"
+TARGET_CPU_RATIO, TARGET_H2_RATIO, TARGET_MAX_MS = 1.3, 0.9, 100.0
 
 
 def children(pid: int) -> list[int]:
@@ -45,76 +53,177 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def measure(server: ServerProcess, body: Path, h2: bool, seconds: float) -> tuple[float, float]:
-    """(appends/s, server CPU us per append) of CLIENTS connections appending to streams of their own."""
-    paths = [f"/v1/stream/bench-{time.time_ns()}-{i}" for i in range(CLIENTS)]
+def is_haproxy(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "haproxy"
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class Row:
+    setup: str
+    protocol: str
+    pace: str  # "saturated", or the paced rate
+    load: h2load.Load
+    haproxy_us: float  # CPU per append
+    members_us: float
+
+    @property
+    def cpu_us(self) -> float:
+        return self.haproxy_us + self.members_us
+
+
+def create_streams(server: ServerProcess, count: int) -> list[str]:
+    paths = [f"/v1/stream/bench-{time.time_ns()}-{i}" for i in range(count)]
     with httpx.Client(timeout=10) as client:
         for path in paths:
-            assert client.put(server.url + path, headers={"Content-Type": "text/plain"}).status_code == 201
+            answer = client.put(server.url + path, headers={"Content-Type": "text/plain"})
+            if answer.status_code != 201:
+                raise RuntimeError(f"create of {path} answered {answer.status_code}: {answer.text}")
+    return paths
+
+
+def measure(
+    server: ServerProcess,
+    paths: list[str],
+    body: Path,
+    *,
+    setup: str,
+    h2: bool,
+    clients: int,
+    seconds: float,
+    rate: float | None = None,
+) -> Row:
     pids = children(server.process.pid)
-    before = sum(cpu_seconds(pid) for pid in pids)
+    proxies = [pid for pid in pids if is_haproxy(pid)]
+    before = {pid: cpu_seconds(pid) for pid in pids}
     load = h2load.run(
-        server, paths, clients=CLIENTS, body=body, content_type="text/plain", h2=h2, seconds=seconds
+        server,
+        paths,
+        clients=clients,
+        body=body,
+        content_type="text/plain",
+        h2=h2,
+        seconds=seconds,
+        latencies=True,
+        rate=rate,
     )
-    used = sum(cpu_seconds(pid) for pid in pids) - before
+    used = {pid: cpu_seconds(pid) - before[pid] for pid in pids}
     if load.failed or not load.ok:
         raise RuntimeError(f"{load.failed} appends failed")
-    return load.per_second, used / load.ok * 1e6
+    proxy = sum(used[pid] for pid in proxies)
+    pace = "saturated" if rate is None else f"paced at {rate:,.0f}/s"
+    return Row(
+        setup,
+        "h2c" if h2 else "h1",
+        pace,
+        load,
+        proxy / load.ok * 1e6,
+        (sum(used.values()) - proxy) / load.ok * 1e6,
+    )
+
+
+def one_round(args: argparse.Namespace, work: Path, body: Path, number: int) -> list[Row]:
+    rows: list[Row] = []
+    storage = ["--storage", args.storage, "--log-level", "warning"]
+    if args.storage == "disk":
+        storage += ["--fsync", "always"]
+    common = {"clients": args.clients, "seconds": args.seconds}
+    progress(f"round {number}: one process, direct ...")
+    single = start(*storage, "--data-dir", str(work / f"single-{number}"))
+    try:
+        paths = create_streams(single, args.streams)
+        for h2 in (False, True):
+            rows.append(measure(single, paths, body, setup=DIRECT, h2=h2, **common))
+    finally:
+        single.stop()
+    progress(f"round {number}: 2 processes behind HAProxy ...")
+    front = [sys.executable, "-m", "streamkeep", "cluster", "run", "--processes", "2", "--port", "0"]
+    cluster = launch([*front, "--data-dir", str(work / f"cluster-{number}"), *storage], timeout=60)
+    try:
+        paths = create_streams(cluster, args.streams)
+        for h2 in (False, True):
+            rows.append(measure(cluster, paths, body, setup=FRONT, h2=h2, **common))
+        rate = rows[-2].load.per_second * args.tail_share
+        progress(f"round {number}: the tail, paced at {rate:,.0f} appends/s ...")
+        rows.append(measure(cluster, paths, body, setup=FRONT, h2=False, rate=rate, **common))
+    finally:
+        cluster.stop()
+    return rows
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def haproxy_version() -> str:
+    try:
+        done = subprocess.run(["haproxy", "-v"], capture_output=True, text=True, timeout=10)
+    except OSError:
+        return "HAProxy missing"
+    return done.stdout.splitlines()[0] if done.stdout else "HAProxy (no version)"
+
+
+def report(rounds: list[list[Row]], args: argparse.Namespace) -> None:
+    print(
+        f"\ndate: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.node()}, {os.cpu_count()} cores, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; CPython {platform.python_version()}; "
+        f"{haproxy_version()}; storage {args.storage}; {args.clients} connections over {args.streams} streams, "
+        "100 B appends; command: python -m ops.bench_cluster " + " ".join(sys.argv[1:]) + "\n"
+    )
+    print(
+        "| round | setup | protocol | load | appends/s | CPU per append: all | HAProxy | members "
+        "| p50 / p99 / max ms | 16-core projection |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for number, rows in enumerate(rounds, 1):
+        for row in rows:
+            load = row.load
+            print(
+                f"| {number} | {row.setup} | {row.protocol} | {row.pace} | {load.per_second:,.0f} "
+                f"| {row.cpu_us:,.0f} µs | {row.haproxy_us:,.0f} µs | {row.members_us:,.0f} µs "
+                f"| {load.percentile_ms(0.5):.1f} / {load.percentile_ms(0.99):.1f} / "
+                f"{max(load.latencies_us, default=0) / 1e3:.1f} | {16e6 / row.cpu_us:,.0f}/s |"
+            )
+    print()
+    for number, rows in enumerate(rounds, 1):
+        by = {(row.setup, row.protocol, row.pace): row for row in rows}
+        direct, front = by[(DIRECT, "h1", "saturated")], by[(FRONT, "h1", "saturated")]
+        front_h2 = by[(FRONT, "h2c", "saturated")]
+        tail = rows[-1]
+        tail_max = max(tail.load.latencies_us, default=0) / 1e3
+        print(
+            f"round {number}: CPU per append, front door / direct (h1): {front.cpu_us / direct.cpu_us:.2f}x "
+            f"(target <= {TARGET_CPU_RATIO}x); h2c / h1 through the front door: "
+            f"{front_h2.load.per_second / front.load.per_second:.2f}x (target >= {TARGET_H2_RATIO}x); "
+            f"appends/s front door / direct (h1): {front.load.per_second / direct.load.per_second:.2f}x; "
+            f"max latency at {args.tail_share:.0%} of capacity: {tail_max:.1f} ms (target < {TARGET_MAX_MS:.0f})"
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--seconds", type=float, default=4.0, help="per pass (default 4)")
     parser.add_argument("--storage", choices=("memory", "disk"), default="memory")
+    parser.add_argument("--clients", type=int, default=16, help="h2load connections (default 16)")
+    parser.add_argument("--streams", type=int, default=64, help="streams the appends cycle over (default 64)")
+    parser.add_argument(
+        "--tail-share", type=float, default=0.8, help="the tail pass's rate, of the cluster's capacity"
+    )
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     if not h2load.available():
         print("h2load is missing: apt-get install nghttp2-client (make bench does)", file=sys.stderr)
         return 2
-    rows: list[tuple[str, str, float, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         work = Path(tmp)
         body = work / "body"
         body.write_bytes(b"x" * 100)
-        storage = ["--storage", args.storage, "--log-level", "warning"]
-        if args.storage == "disk":
-            storage += ["--fsync", "always"]
-        print("one process, direct ...", flush=True)
-        single = start(*storage, "--data-dir", str(work / "single"))
-        try:
-            for protocol, h2 in (("h1", False), ("h2c", True)):
-                rows.append(("1 process, direct", protocol, *measure(single, body, h2, args.seconds)))
-        finally:
-            single.stop()
-        print("2 processes behind HAProxy ...", flush=True)
-        front = [sys.executable, "-m", "streamkeep", "cluster", "run", "--processes", "2", "--port", "0"]
-        cluster = launch([*front, "--data-dir", str(work / "cluster"), *storage], timeout=60)
-        try:
-            for protocol, h2 in (("h1", False), ("h2c", True)):
-                rows.append(
-                    ("2 processes behind HAProxy", protocol, *measure(cluster, body, h2, args.seconds))
-                )
-        finally:
-            cluster.stop()
-    print(
-        f"\ndate: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.node()}, {os.cpu_count()} cores, "
-        f"CPython {platform.python_version()}; storage {args.storage}; command: python -m ops.bench_cluster "
-        + " ".join(sys.argv[1:])
-        + "\n"
-    )
-    print("| setup | protocol | appends/s | server CPU per append (all processes) | 16-core projection |")
-    print("|---|---|---|---|---|")
-    for setup, protocol, rate, cpu in rows:
-        print(f"| {setup} | {protocol} | {rate:,.0f} | {cpu:,.0f} us | {16e6 / cpu:,.0f}/s |")
-    by = {(setup, protocol): rate for setup, protocol, rate, _ in rows}
-    front_h1, front_h2 = by[("2 processes behind HAProxy", "h1")], by[("2 processes behind HAProxy", "h2c")]
-    print(
-        f"\nh2c through the front door / h1 through the front door: {front_h2 / front_h1:.2f}x (target 0.9x)"
-    )
-    print(
-        f"front door (2 processes) / 1 process direct, h1: {front_h1 / by[('1 process, direct', 'h1')]:.2f}x"
-    )
+        rounds = [one_round(args, work, body, number) for number in range(1, args.rounds + 1)]
+    report(rounds, args)
     return 0
 
 

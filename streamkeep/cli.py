@@ -9,6 +9,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 from streamkeep import __version__, config
+from streamkeep.cluster.haproxy import MEMBER_MAXCONN
 
 # What --help shows for a value, where the setting's name says less.
 _METAVARS: dict[object, str] = {
@@ -225,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     haproxy.add_argument("--port", type=int, default=8080, help="port HAProxy listens on")
     haproxy.add_argument(
         "--tls-cert", default=None, help="a PEM holding certificate and key: TLS with ALPN h2"
+    )
+    haproxy.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="HAProxy's threads (default: a third of this machine's cores, at least 1)",
+    )
+    haproxy.add_argument(
+        "--member-maxconn",
+        type=int,
+        default=MEMBER_MAXCONN,
+        help=f"requests at a member at once, live reads aside; more wait in HAProxy (default {MEMBER_MAXCONN})",
     )
     run = cluster_commands.add_parser(
         "run",
@@ -611,6 +624,8 @@ def _haproxy_config(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         live_seconds=live,
         replicas=replicas,
+        threads=args.threads,
+        member_maxconn=args.member_maxconn,
     )
     for member in placement.members:
         served = (

@@ -394,3 +394,45 @@ async def test_an_actor_that_was_handed_a_message_does_not_hibernate() -> None:
         assert not actor.hibernate_if_idle(trio.current_time() + 3600)
         assert supervisor.actor("s", must_exist=True) is actor
         nursery.cancel_scope.cancel()
+
+
+def test_live_reads_hold_no_slot_of_a_members_capped_backend(tmp_path: Path) -> None:
+    """HAProxy lets at most `--member-maxconn` requests at a member (issue 26: without a cap, appends
+    waited seconds); long-polls and SSE go to a backend of their own, uncapped. Here the cap is 2
+    and 4 long-polls wait on one member: were they capped, they would hold both slots and the
+    append that ends them would wait in HAProxy's queue until it answered 503 after 5 s."""
+    built = Cluster(tmp_path, "")
+    assert cli.main(["cluster", "haproxy-config", "--config", str(built.toml), "--out", str(tmp_path / "lb"),
+                     "--port", built.front.rsplit(":", 1)[1], "--member-maxconn", "2"]) == 0  # fmt: skip
+    config = (tmp_path / "lb" / "haproxy.cfg").read_text()
+    assert (
+        "maxconn 2 check" in config
+        and "_live if { path_beg /v1/stream/ } { url_param(live) -m found }" in config
+    )
+    try:
+        built.start_member("a")
+        built.start_member("b")
+        built.start_haproxy()
+        name = "capped/live"
+        url = f"{built.front}/v1/stream/{name}"
+        text = {"Content-Type": "text/plain"}
+        assert httpx.put(url, headers=text, timeout=10).status_code == 201
+        tail = httpx.head(url, timeout=10).headers["stream-next-offset"]
+
+        def long_poll() -> tuple[int, bytes]:
+            answer = httpx.get(f"{url}?offset={tail}&live=long-poll", timeout=20)
+            return answer.status_code, answer.content
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            polls = [pool.submit(long_poll) for _ in range(4)]
+            owner = built.placement.owner(name).id
+            wait_for(lambda: live_readers(built.direct(owner)) >= 4)
+            appended = httpx.post(url, content=b"wake", headers=text, timeout=4)
+            assert appended.status_code == 204, appended.text
+            assert [poll.result(timeout=15) for poll in polls] == [(200, b"wake")] * 4
+    finally:
+        built.stop()
+
+
+def live_readers(member_url: str) -> int:
+    return int(httpx.get(f"{member_url}/stats", timeout=5).json()["live_readers"])

@@ -31,8 +31,12 @@ def test_haproxy_config_for_replicas_routes_each_member_to_both(
     text = (tmp_path / "haproxy.cfg").read_text()
     backend = text.split("\nbackend member_m0", 1)[1].split("\n\n", 1)[0]
     assert "option redispatch 1" in backend
-    assert "server m0a 10.0.0.1:4437 check" in backend and "server m0b 10.0.0.2:4438 check" in backend
-    assert "frontend peer_m0\n    bind 10.0.0.9:7000\n    default_backend member_m0" in text
+    assert "server m0a 10.0.0.1:4437 maxconn 32 check" in backend
+    assert "server m0b 10.0.0.2:4438 maxconn 32 check" in backend
+    # Live reads and the members' calls to each other: uncapped, on the same replicas' health.
+    live = text.split("\nbackend member_m0_live", 1)[1].split("\n\n", 1)[0]
+    assert "server m0a 10.0.0.1:4437 track member_m0/m0a" in live and "maxconn" not in live
+    assert "frontend peer_m0\n    bind 10.0.0.9:7000\n    default_backend member_m0_live" in text
     assert "replicas m0a at 10.0.0.1:4437, m0b at 10.0.0.2:4438" in capsys.readouterr().out
     checked = subprocess.run(
         [haproxy_binary(), "-c", "-q", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True

@@ -80,15 +80,19 @@ def run(
     latencies: bool = False,
     headers: tuple[str, ...] = (),
     cpus: str | None = None,
+    rate: float | None = None,
 ) -> Load:
     """POSTs `body` to `paths` (each client cycles through all of them) for `seconds` or `count`;
-    with `cpus` (a taskset list, "1"), h2load runs on those CPUs only."""
+    with `cpus` (a taskset list, "1"), h2load runs on those CPUs only; with `rate` (requests/s in
+    all), each connection is paced at its share instead of sending as fast as it is answered."""
     with tempfile.TemporaryDirectory() as tmp:
         uris = Path(tmp) / "uris"
         uris.write_text("".join(server.url + path + "\n" for path in paths))
         log = Path(tmp) / "log"
         command = ["h2load", "-c", str(clients), "-m", "1", "-d", str(body), "-i", str(uris)]
         command += ["-H", f"Content-Type: {content_type}"]
+        if rate is not None:
+            command += ["--rps", f"{rate / clients:.3f}"]
         for header in headers:
             command += ["-H", header]
         command += ["-D", f"{round(seconds * 1000)}ms"] if seconds is not None else ["-n", str(count)]
