@@ -42,7 +42,7 @@ SUBSCRIPTIONS_PREFIX = CONTROL_PREFIX + "subscriptions/"
 _SUBSCRIPTION_ID_FIELD = SUBSCRIPTIONS_PREFIX.count("/") + 1
 _UNAVAILABLE = (
     '{"error": {"code": "owner_unavailable", "message": "the process that owns this stream is not '
-    'reachable; retry after a second"}}'
+    'reachable, or has had more requests waiting than it could take for 5 s; retry after a second"}}'
 )
 
 
