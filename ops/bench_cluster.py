@@ -9,7 +9,9 @@ connections, one 100 B append in flight each, cycling over `--streams` streams) 
 over h2c, as fast as they are answered. Server CPU per append is read from /proc for every process
 that serves, split into HAProxy and the members, so the front door's cost counts. Then the tail:
 the cluster paced at `--tail-share` of the capacity it just showed over HTTP/1.1, where issue 26
-wants no append slower than 100 ms. Latency p50/p99/max comes from h2load's log of every request.
+wants no append slower than 100 ms; last, one process direct again, paced at the rate each member
+took (half the cluster's): what part load alone costs a process, without the hop. Latency
+p50/p99/max comes from h2load's log of every request.
 Nothing is pinned: the cluster's point is to use every core. `--rounds` repeats the whole
 sequence (this machine drifts; compare within a round). Prints Markdown tables and a projection of
 appends/s on 16 cores from the measured CPU per append (a projection, not a measurement: it
@@ -147,10 +149,19 @@ def one_round(args: argparse.Namespace, work: Path, body: Path, number: int) -> 
             rows.append(measure(cluster, paths, body, setup=FRONT, h2=h2, **common))
         rate = rows[-2].load.per_second * args.tail_share
         progress(f"round {number}: the tail, paced at {rate:,.0f} appends/s ...")
-        rows.append(measure(cluster, paths, body, setup=FRONT, h2=False, rate=rate, **common))
+        tail = measure(cluster, paths, body, setup=FRONT, h2=False, rate=rate, **common)
     finally:
         cluster.stop()
-    return rows
+    # What part load alone costs: one process direct at the rate each member of the cluster took.
+    share = rows[-2].load.per_second / 2
+    progress(f"round {number}: one process direct, paced at a member's share, {share:,.0f} appends/s ...")
+    single = start(*storage, "--data-dir", str(work / f"paced-{number}"))
+    try:
+        paths = create_streams(single, args.streams)
+        rows.append(measure(single, paths, body, setup=DIRECT, h2=False, rate=share, **common))
+    finally:
+        single.stop()
+    return [*rows, tail]
 
 
 def progress(line: str) -> None:
@@ -191,14 +202,16 @@ def report(rounds: list[list[Row]], args: argparse.Namespace) -> None:
         by = {(row.setup, row.protocol, row.pace): row for row in rows}
         direct, front = by[(DIRECT, "h1", "saturated")], by[(FRONT, "h1", "saturated")]
         front_h2 = by[(FRONT, "h2c", "saturated")]
-        tail = rows[-1]
+        paced, tail = rows[-2], rows[-1]
         tail_max = max(tail.load.latencies_us, default=0) / 1e3
         print(
             f"round {number}: CPU per append, front door / direct (h1): {front.cpu_us / direct.cpu_us:.2f}x "
             f"(target <= {TARGET_CPU_RATIO}x); h2c / h1 through the front door: "
             f"{front_h2.load.per_second / front.load.per_second:.2f}x (target >= {TARGET_H2_RATIO}x); "
             f"appends/s front door / direct (h1): {front.load.per_second / direct.load.per_second:.2f}x; "
-            f"max latency at {args.tail_share:.0%} of capacity: {tail_max:.1f} ms (target < {TARGET_MAX_MS:.0f})"
+            f"max latency at {args.tail_share:.0%} of capacity: {tail_max:.1f} ms (target < {TARGET_MAX_MS:.0f}); "
+            f"one process direct at a member's share / saturated, CPU per append: "
+            f"{paced.cpu_us / direct.cpu_us:.2f}x (what part load alone costs a member)"
         )
 
 
