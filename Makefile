@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
-	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha bench-sync sessions-demo profile profile-cluster crash-test soak system-tools browser-tools h2load venv clean \
+	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-streams bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha bench-sync sessions-demo profile profile-cluster crash-test soak system-tools browser-tools h2load venv clean \
 	torture docs
 
 venv: $(VENV_STAMP)
@@ -205,6 +205,12 @@ bench-load: $(VENV_STAMP) $(BENCH_STAMP) $(RAKAIA_STAMP) h2load
 ## Durable appends only, fdatasync vs syncfs group commit, beside the Node reference server.
 bench-disk: $(VENV_STAMP) $(BENCH_STAMP) h2load
 	$(PY) -m ops.bench_disk
+
+## Many streams on one disk process (issue 26): creates/s with 64 connections, RSS per idle stream after
+## hibernation, appends over all streams vs over 1,024 (100,000 streams: a few minutes on 2 cores).
+## Extra flags: make bench-streams ARGS="--streams 20000 --json streams.json"
+bench-streams: $(VENV_STAMP) h2load
+	$(PY) -m ops.bench_streams $(ARGS)
 
 ## Where an append's microseconds go (issue 15): server CPU per append, split by component from py-spy
 ## samples, memory and disk, HTTP/1.1 and h2c; server and load pinned to their own cores (~1 min).

@@ -38,6 +38,7 @@ from streamkeep.segments import layout
 from streamkeep.storage import files
 from streamkeep.storage.base import ByteBudget, RemoteSources
 from streamkeep.storage.disk.committer import Committer, RoundSettings
+from streamkeep.storage.disk.creates import CreateCommitter, CreateSettings
 from streamkeep.storage.disk.directory import DataDirectory, FormatError
 from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log import DiskLog
@@ -56,7 +57,6 @@ from streamkeep.storage.disk.writer import ReadOnly, SegmentLimits
 from streamkeep.storage.errors import (
     StorageUnavailable,
     as_protocol_error,
-    below_reserve,
     from_os_error,
     not_durable,
 )
@@ -139,6 +139,14 @@ class DiskStorage:
             free_bytes=lambda: fs.free_bytes(root),
             syncfs=lambda: fs.syncfs(self.root_fd),
         )
+        self.creates = CreateCommitter(
+            fs,
+            self.directory.streams,
+            self.run_io,
+            CreateSettings(sync_method == "syncfs", min_free_bytes, commit_group),
+            free_bytes=lambda: fs.free_bytes(root),
+            syncfs=lambda: fs.syncfs(self.root_fd),
+        )
         self.cold: ColdTier | None = None
 
     # ---- plumbing -------------------------------------------------------------------
@@ -178,6 +186,7 @@ class DiskStorage:
         else:
             self._all_read.set()
         nursery.start_soon(supervised, "committer", self.committer.run, self.health)
+        nursery.start_soon(supervised, "creates", self.creates.run, self.health)
         if self.fsync == "interval":
             nursery.start_soon(supervised, "interval sync", self._sync_loop, self.health)
         return report
@@ -296,16 +305,15 @@ class DiskStorage:
             segment_bytes += initial
         directory = self.directory.stream_dir(meta.name)
         contents = {layout.META: encode_meta(meta), layout.segment_filename(base): segment_bytes}
-        uncertain = None
-        try:
-            await self.run_io(self._create_files, directory, contents)
-        except files.NotDurable as error:  # it exists, but a power cut may take it back
-            uncertain = not_durable(f"create of {meta.name!r}", error)
-        except (OSError, StorageUnavailable) as error:
+        done = await self.creates.create(directory, contents)  # shares a round with other creates
+        if done.error is not None:
             self.budget.release(added)
-            if isinstance(error, StorageUnavailable):
-                raise
-            raise from_os_error(error, f"create of {meta.name!r}") from None
+            if isinstance(done.error, StorageUnavailable):
+                raise done.error
+            raise from_os_error(done.error, f"create of {meta.name!r}") from None
+        uncertain = None
+        if done.uncertain is not None:  # it exists, but a power cut may take it back
+            uncertain = not_durable(f"create of {meta.name!r}", done.uncertain)
         stream_log = DiskLog(self, directory, replace(meta, closed=False))
         segment = Segment(base, directory / layout.segment_filename(base), header_len)
         stream_log.segments.append(segment)
@@ -319,13 +327,6 @@ class DiskStorage:
         if uncertain is not None:
             raise uncertain
         return stream_log
-
-    def _create_files(self, directory: Path, contents: dict[str, bytes]) -> None:
-        if self.min_free_bytes:
-            free = self.fs.free_bytes(self.root)
-            if free - sum(len(data) for data in contents.values()) < self.min_free_bytes:
-                raise below_reserve(f"create of {directory.name}", free, self.min_free_bytes)
-        self.directory.create_stream(directory, contents)
 
     async def delete(self, name: str) -> None:
         stream_log = self._logs.get(name)
@@ -384,6 +385,8 @@ class DiskStorage:
             "free_bytes": free,
             "min_free_bytes": self.min_free_bytes,
             "commit_rounds": self.committer.rounds,
+            "create_rounds": self.creates.rounds,
+            "creates": self.creates.created,
             "streams_unread": len(self._unread),  # found at start, not read yet (serving early)
             **self.health.stats(),
             "read_only_streams": sorted(n for n, s in self._logs.items() if s.writer.read_only is not None),

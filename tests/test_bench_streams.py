@@ -1,0 +1,59 @@
+"""ops/bench_streams.py, run tiny against a real disk server: its report holds real measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops.loadtest import h2load
+from ops.serverproc import ROOT
+
+pytestmark = pytest.mark.skipif(not h2load.available(), reason="h2load not installed (make h2load)")
+
+STREAMS = 120
+
+
+def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ops.bench_streams",
+            "--streams",
+            str(STREAMS),
+            "--clients",
+            "4",
+            "--hot",
+            "8",
+            "--hibernate-after",
+            "0.5",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    # Every create made a new stream: the server counted them, not just h2load's 2xx answers.
+    assert report["streams_seen"] == STREAMS
+    assert report["create_failures"] == 0 and report["append_failures"] == 0
+    for field in ("creates_per_s", "create_cpu_us", "appends_all_per_s", "appends_hot_per_s", "ratio"):
+        assert math.isfinite(report[field]) and report[field] > 0, field
+    # RSS from /proc of a Python server: tens of MiB, and what the creates added shows.
+    assert 10 << 20 < report["rss_before"] < 2 << 30
+    assert report["rss_created"] >= report["rss_before"]
+    assert report["rss_per_idle_stream"] == pytest.approx(
+        (report["rss_hibernated"] - report["rss_before"]) / STREAMS
+    )
+    assert 0 < report["hibernate_wait_s"] < 60
+    assert report["appends_all_per_s"] / report["appends_hot_per_s"] == pytest.approx(report["ratio"])
+    assert "| appends over 120 streams |" in done.stdout
