@@ -108,6 +108,10 @@ class CreateCommitter:
                 await pending.done.wait()
         return pending
 
+    def will_run(self) -> None:
+        """Called where `run` is started (before its task first runs): creates queue from now on."""
+        self._running = True
+
     async def run(self) -> None:
         self._running = True
         try:
@@ -116,9 +120,14 @@ class CreateCommitter:
                 self._work = trio.Event()
                 while self._waiting:
                     batch, self._waiting = self._waiting, []
-                    await self._round(batch, syncfs=self._settings.syncfs)
-        finally:
+                    with trio.CancelScope(shield=True):  # a round started ends: its creates are answered
+                        await self._round(batch, syncfs=self._settings.syncfs)
+        finally:  # cancelled (the server stops): what still waits is answered, never left hanging
             self._running = False
+            for pending in self._waiting:
+                pending.error = StorageUnavailable("the server is stopping", status=503)
+                pending.done.set()
+            self._waiting = []
 
     async def _round(self, batch: list[PendingCreate], *, syncfs: bool) -> None:
         self.rounds += 1

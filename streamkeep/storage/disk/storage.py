@@ -186,6 +186,7 @@ class DiskStorage:
         else:
             self._all_read.set()
         nursery.start_soon(supervised, "committer", self.committer.run, self.health)
+        self.creates.will_run()
         nursery.start_soon(supervised, "creates", self.creates.run, self.health)
         if self.fsync == "interval":
             nursery.start_soon(supervised, "interval sync", self._sync_loop, self.health)
