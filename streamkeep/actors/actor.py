@@ -136,6 +136,7 @@ class StreamActor:
         self.alive = False
         self._supervisor.forget(self)
         self._send.close()
+        self.ops.hibernated()
         return True
 
     def _can_hibernate(self) -> bool:

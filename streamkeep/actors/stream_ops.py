@@ -61,6 +61,10 @@ class StreamOps:
         stream_log = self._storage.open(self.name)
         return stream_log is None or stream_log.pending == 0
 
+    def hibernated(self) -> None:
+        """The actor ended: storage may give back what only an active stream needs."""
+        self._storage.idle(self.name)
+
     # ---- handlers ----------------------------------------------------------------------
 
     async def create(self, message: Create) -> tuple[int, StreamView]:

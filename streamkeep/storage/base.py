@@ -237,3 +237,8 @@ class Storage(Protocol):
     def unread(self) -> int:
         """How many streams found at start are not read yet (disk storage serving early)."""
         ...
+
+    def idle(self, name: str) -> None:
+        """The stream's actor hibernated: give back what only an active stream needs (disk: the
+        active segment's descriptor). Synchronous, and never fails."""
+        ...

@@ -142,3 +142,6 @@ class MemoryStorage:
 
     def unread(self) -> int:
         return 0
+
+    def idle(self, name: str) -> None:
+        pass  # nothing held per stream but its data

@@ -55,6 +55,7 @@ class DiskLog(LogReads, LogRetention):
             self.producers[record.producer[0]] = record.producer[1]
         self._queue.append(pending)
         self._latest = pending.commit
+        self.release_when_synced = False  # awake again
         storage.committer.wake(self)
         return pending.commit
 
@@ -228,6 +229,21 @@ class DiskLog(LogReads, LogRetention):
             except OSError as error:
                 raise from_os_error(error, f"sync of {self.meta.name!r}") from None
 
+    def release_descriptor(self) -> None:
+        """Closes the active segment's write descriptor of a stream whose actor hibernated: kept,
+        one per stream ever written, they ran into the process's descriptor limit (100,000 streams;
+        past it every append answered 503 and accept failed with EMFILE), and the next write opens
+        it again. Not while anything of the stream is queued, being written, synced or repaired,
+        nor while it holds what a relaxed fsync policy has not synced yet (the interval sync and a
+        clean stop sync through it; under fsync=never it stays open)."""
+        if self.host.fsync == "never":
+            return
+        if self.pending or self.io_lock.locked() or self.writer.needs_repair or self.dirty:
+            self.release_when_synced = True  # the interval sync, or the next check, gives it back
+            return
+        self.release_when_synced = False
+        self.writer.close()
+
     async def sync(self) -> None:
         """Makes what this stream wrote durable (fsync=interval)."""
         async with self.exclusive():
@@ -239,3 +255,5 @@ class DiskLog(LogReads, LogRetention):
             except OSError:
                 self.dirty = True
                 raise
+        if self.release_when_synced:
+            self.release_descriptor()

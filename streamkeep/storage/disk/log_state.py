@@ -74,6 +74,8 @@ class LogState:
         self.writer = SegmentWriter(host.fs, directory)
         self.io_lock = trio.Lock()
         self.dirty = False  # written but not yet synced (fsync=interval)
+        # Its actor hibernated while it was dirty: give the descriptor back once synced.
+        self.release_when_synced = False
         self.deleted = False
         self.deleting: trio.Event | None = None  # set when a delete in progress has its outcome
         self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier

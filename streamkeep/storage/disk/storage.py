@@ -280,6 +280,11 @@ class DiskStorage:
     def unread(self) -> int:
         return len(self._unread)
 
+    def idle(self, name: str) -> None:
+        stream_log = self._logs.get(name)
+        if stream_log is not None:
+            stream_log.release_descriptor()
+
     async def recovered(self) -> None:
         """Returns once every stream found at start is read. Work over all streams (the TTL
         sweep, retention, the cold tier, the registry's reconcile, listings, deletes) waits for it."""
