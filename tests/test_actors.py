@@ -40,6 +40,9 @@ async def test_idle_actor_hibernates_and_revives_with_its_data(
         assert supervisor.active == 1
         await trio.sleep(6)
         assert supervisor.active == 0, "idle actor should have hibernated"
+        # The ended actor is not kept alive by its stream's publish callback.
+        hibernated_log = supervisor.storage.open("s")
+        assert hibernated_log is not None and hibernated_log.on_publish is None
         plan = await supervisor.call("s", Read("-1", True))
         view = await plan.log.read(0, 1024, whole_messages=False)
         assert view.messages == [b"hello"]

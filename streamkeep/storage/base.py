@@ -239,6 +239,7 @@ class Storage(Protocol):
         ...
 
     def idle(self, name: str) -> None:
-        """The stream's actor hibernated: give back what only an active stream needs (disk: the
-        active segment's descriptor). Synchronous, and never fails."""
+        """The stream's actor hibernated: give back what only an active stream needs (its
+        `on_publish`, which holds the ended actor's state; on disk the active segment's
+        descriptor). The next actor sets `on_publish` again. Synchronous, and never fails."""
         ...

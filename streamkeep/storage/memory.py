@@ -144,4 +144,6 @@ class MemoryStorage:
         return 0
 
     def idle(self, name: str) -> None:
-        pass  # nothing held per stream but its data
+        stream_log = self._logs.get(name)
+        if stream_log is not None:
+            stream_log.on_publish = None

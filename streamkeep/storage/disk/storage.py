@@ -281,8 +281,9 @@ class DiskStorage:
         return len(self._unread)
 
     def idle(self, name: str) -> None:
-        stream_log = self._logs.get(name)
+        stream_log = self._logs.get(name)  # never read here: a stream not read yet holds nothing
         if stream_log is not None:
+            stream_log.on_publish = None
             stream_log.release_descriptor()
 
     async def recovered(self) -> None:
