@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ops.torture.checker import check_history
 from ops.torture.history import AMBIGUOUS, Call, Chunk, Event, History, Outcome, classify, to_text
 from ops.torture.model import RunConfig
@@ -273,10 +275,21 @@ def test_appends_stored_against_real_time_order_are_reported() -> None:
     assert "ack-not-at-position" in found or "order" in found
 
 
-def test_not_ready_is_explained_by_a_restart_still_recovering_and_by_nothing_else() -> None:
-    """A restarted server answers 503 not_ready while it reads its data directory back; the rig
-    records the restart only once that is over (rig.Server.start), so the down window covers it."""
-    error = json.dumps({"error": {"code": "not_ready", "message": "the server is not ready yet: recovering"}})
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ("not_ready", "the server is not ready yet: recovering"),
+        # A delete while a start that served early still reads streams (stream_ops._remove).
+        ("recovering", "the server is still reading 3 streams from disk after a start; retry shortly"),
+    ],
+)
+def test_not_ready_is_explained_by_a_restart_still_recovering_and_by_nothing_else(
+    code: str, message: str
+) -> None:
+    """A restarted server answers 503 not_ready (or recovering) while it reads its data directory
+    back; the rig and the sim record the restart only once that is over (rig.Server.start,
+    sim._restarted), so the down window covers it."""
+    error = json.dumps({"error": {"code": code, "message": message}})
 
     def append_during(faults: list[tuple[str, float]]) -> list[str]:
         s = three_appends()

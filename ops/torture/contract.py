@@ -64,7 +64,8 @@ def named(op: str, status: int) -> bool:
 def fault_reason(status: int, body: str) -> str:
     """Which fault an error response blames: "disk" (full or failing disk), "cold-read" (the bucket
     cannot serve a read), "cold-backlog" (sealed segments wait for S3: the high-water mark), "down"
-    (not_ready: a restarted server still reading its data directory back).
+    (not_ready, or recovering: a restarted server still reading its data directory back; a restart's
+    window lasts until it read everything, in both tiers).
 
     The server's error body names the reason by a stable code ({"error": {"code", "message"}},
     streamkeep/storage/errors.py); anything not about the cold tier is taken as a disk fault, the
@@ -72,9 +73,12 @@ def fault_reason(status: int, body: str) -> str:
     """
     if status == 507:
         return "disk"
-    return {"cold_backlog": "cold-backlog", "cold_tier_unavailable": "cold-read", "not_ready": "down"}.get(
-        error_code(body), "disk"
-    )
+    return {
+        "cold_backlog": "cold-backlog",
+        "cold_tier_unavailable": "cold-read",
+        "not_ready": "down",
+        "recovering": "down",
+    }.get(error_code(body), "disk")
 
 
 def error_code(body: str) -> str:

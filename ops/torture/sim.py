@@ -305,7 +305,7 @@ class Simulation:
         result: list[str] = []
         async with trio.open_nursery() as outer:
             self.world = await self._start(outer)
-            self._event(self.history.fault("restart"))
+            outer.start_soon(self._restarted, self.world)
             stop = trio.Event()
             async with trio.open_nursery() as workers:
                 for number in range(self.config.workers):
@@ -348,6 +348,13 @@ class Simulation:
         await server.recover()
         assert isinstance(server.storage, DiskStorage)
         return World(server.storage, server.service, nursery)
+
+    async def _restarted(self, world: World) -> None:
+        """Counts the restart once every stream is read again, as the black-box rig does (it waits
+        for `/readyz`): the server serves after reading one stream, and until it read them all a
+        delete answers 503 `recovering`, which only a restart's window explains."""
+        await world.storage.recovered()
+        self._event(self.history.fault("restart"))
 
     async def _retry_start(self, error: OSError, attempt: int) -> bool:
         """A start can fail on an injected fault: not a finding, retry it with the faults off."""
@@ -531,7 +538,7 @@ class Simulation:
         stream."""
         async with trio.open_nursery() as nursery:
             self.world = await self._start(nursery)
-            self._event(self.history.fault("restart"))
+            await self._restarted(self.world)
             await trio.sleep(90.0)  # backoffs expire, the archiver catches up
             ctx = GenContext("final", random.Random(0), self.view)
             for name in all_names():
