@@ -239,7 +239,9 @@ class DiskLog(LogReads, LogRetention):
         if self.host.fsync == "never":
             return
         if self.pending or self.io_lock.locked() or self.writer.needs_repair or self.dirty:
-            self.release_when_synced = True  # the interval sync, or the next check, gives it back
+            # Under fsync=interval the next sync gives it back; under fsync=always a stream busy
+            # at this moment (its I/O lock held by retention, say) keeps it until it next hibernates.
+            self.release_when_synced = True
             return
         self.release_when_synced = False
         self.writer.close()
