@@ -48,6 +48,9 @@ def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path) -> Non
     assert report["create_failures"] == 0 and report["append_failures"] == 0
     for field in ("creates_per_s", "create_cpu_us", "appends_all_per_s", "appends_hot_per_s", "ratio"):
         assert math.isfinite(report[field]) and report[field] > 0, field
+    # CPU per create split into Python (user) and the kernel's file work (sys), adding up.
+    assert report["create_user_us"] > 0 and report["create_sys_us"] >= 0
+    assert report["create_user_us"] + report["create_sys_us"] == pytest.approx(report["create_cpu_us"])
     # RSS from /proc of a Python server: tens of MiB, and what the creates added shows.
     assert 10 << 20 < report["rss_before"] < 2 << 30
     assert report["rss_created"] >= report["rss_before"]
