@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -50,6 +51,22 @@ READ_CHUNK = 1 << 20
 RETENTION_RULE = RetentionRule(NAME, compact="state", compact_ratio=4.0, compact_min_bytes=256 << 10)
 
 
+# At most this many entries in one append: a turn never builds an append of unbounded size.
+MAX_BATCH = 256
+
+
+@dataclass(eq=False)
+class _Change:
+    """One entry to append (`entry` None: a delete), and what its turn decided."""
+
+    name: str
+    entry: dict[str, Any] | None
+    still_due: Callable[[], None] | None
+    decided: bool = False
+    pending: PendingAppend | None = None  # submitted: its commit to wait for
+    error: BaseException | None = None
+
+
 class RegistryConflict(FormatError):
     """The data directory holds a stream named `__registry__` that cannot be the registry. A
     FormatError: like a data directory this version cannot open, the server stops at start and
@@ -65,6 +82,7 @@ class RegistryKeeper:
         self.listed: dict[str, dict[str, Any]] = {}
         self.health = Health()
         self._lock = trio.Lock()
+        self._queued: list[_Change] = []  # changes waiting for a turn of the lock (`_record`)
         self._repair = trio.Event()
         self.inserts = 0
         self.deletes = 0
@@ -182,21 +200,71 @@ class RegistryKeeper:
         """Appends the entry unless the registry already says so (a reconcile may have got there
         first; a soft-deleted stream is deleted twice); raises what failed. `still_due` runs once
         the entry's turn has come and may refuse it by raising (a member's change that waited too
-        long, streamkeep/cluster/registry.py)."""
-        async with self._lock:
-            if still_due is not None:
-                still_due()
-            if self.listed.get(name) == entry:
-                return
-            message = entries.delete(name) if entry is None else entries.insert(name, entry)
-            pending = await self._submit([message])
-            if entry is None:
-                self.listed.pop(name, None)
+        long, streamkeep/cluster/registry.py).
+
+        The entries queued while the lock was held go in one append, in the order they came: an
+        append per entry cost each create ~0.5 ms of CPU (an actor call, a plan, a record and a
+        publish each; issue 26, docs/benchmarks.md), one append per turn a share of that."""
+        change = _Change(name, entry, still_due)
+        self._queued.append(change)
+        try:
+            async with self._lock:
+                if not change.decided:  # no earlier turn took it: this turn takes all queued
+                    await self._submit_queued()
+        except BaseException:
+            if not change.decided:  # cancelled while waiting: never submitted, as before batching
+                self._queued.remove(change)
+            raise
+        if change.error is not None:
+            raise change.error
+        if change.pending is not None:
+            await change.pending.wait()  # outside the lock: entries of later turns share a sync
+
+    async def _submit_queued(self) -> None:
+        """Under the lock: decides each queued change against what is listed (and the changes
+        before it in the queue), and appends those still due as one append."""
+        batch, self._queued = self._queued[:MAX_BATCH], self._queued[MAX_BATCH:]
+        due: list[_Change] = []
+        after: dict[str, dict[str, Any] | None] = {}  # what is listed once the earlier changes land
+        messages = []
+        for change in batch:
+            change.decided = True
+            if change.still_due is not None:
+                try:
+                    change.still_due()
+                except Exception as error:
+                    change.error = error
+                    continue
+            now = after[change.name] if change.name in after else self.listed.get(change.name)
+            if now == change.entry:
+                continue
+            after[change.name] = change.entry
+            if change.entry is None:
+                messages.append(entries.delete(change.name))
+            else:
+                messages.append(entries.insert(change.name, change.entry))
+            due.append(change)
+        if not messages:
+            return
+        try:
+            pending = await self._submit(messages)
+        except BaseException as error:  # each change's caller sees it fail (and a repair is due)
+            failed = (
+                error
+                if isinstance(error, Exception)
+                else ProtocolError(503, "registry_unavailable", "the registry entry was interrupted")
+            )
+            for change in due:
+                change.error = failed
+            raise
+        for change in due:
+            change.pending = pending
+            if change.entry is None:
+                self.listed.pop(change.name, None)
                 self.deletes += 1
             else:
-                self.listed[name] = entry
+                self.listed[change.name] = change.entry
                 self.inserts += 1
-        await pending.wait()  # outside the lock: entries of concurrent changes share a sync
 
     # ---- helpers --------------------------------------------------------------------------
 

@@ -1,0 +1,128 @@
+"""`__registry__` entries of concurrent creates and deletes go in shared appends (one per turn of
+the keeper's lock, registry/keeper.py `_record`), in the order the changes came, and the registry
+still lists exactly the live streams; an entry refused by `still_due` or whose caller was
+cancelled while waiting is left out of its batch, and only it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+import trio.testing
+
+from streamkeep.actors.messages import Create
+from streamkeep.actors.replies import PendingAppend
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.protocol.model import Headers
+from streamkeep.protocol.stream import CreateSpec
+from streamkeep.registry.keeper import RegistryKeeper
+from streamkeep.storage.memory import MemoryStorage
+
+STREAMS = 40
+
+
+class CountingKeeper(RegistryKeeper):
+    """The real keeper, counting the appends it makes and the entries in them."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        super().__init__(supervisor)
+        self.appends: list[int] = []
+
+    async def _submit(self, messages: list[bytes]) -> PendingAppend:
+        self.appends.append(len(messages))
+        return await super()._submit(messages)
+
+
+def create() -> Create:
+    return Create(CreateSpec.from_request(Headers([("Content-Type", "text/plain")]), b""))
+
+
+async def create_stream(supervisor: Supervisor, name: str) -> None:
+    await supervisor.call(name, create(), must_exist=False)
+
+
+async def started(nursery: trio.Nursery) -> tuple[Supervisor, CountingKeeper]:
+    storage = MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 24)
+    supervisor = Supervisor(storage, nursery)
+    keeper = CountingKeeper(supervisor)
+    supervisor.lifecycle = keeper
+    await keeper.start()
+    return supervisor, keeper
+
+
+async def assert_lists_exactly_the_live_streams(keeper: CountingKeeper) -> None:
+    """Reconcile folds the registry as stored and appends the difference: none means it was exact."""
+    before = len(keeper.appends)
+    await keeper.reconcile()
+    assert keeper.repairs == 0 and len(keeper.appends) == before
+    assert keeper.health.stats()["failing"] == []
+
+
+async def test_concurrent_creates_and_deletes_share_appends_and_keep_the_registry_exact() -> None:
+    async with trio.open_nursery() as nursery:
+        supervisor, keeper = await started(nursery)
+        keeper.appends.clear()
+        async with trio.open_nursery() as creates:
+            for i in range(STREAMS):
+                creates.start_soon(create_stream, supervisor, f"s{i}")
+        assert sorted(keeper.listed) == sorted(f"s{i}" for i in range(STREAMS))
+        assert sum(keeper.appends) == STREAMS and keeper.inserts == STREAMS
+        assert len(keeper.appends) < STREAMS / 2, keeper.appends  # shared, not one append each
+        await assert_lists_exactly_the_live_streams(keeper)
+
+        # A delete and a create again of the same name, queued in one batch: both land, in order.
+        keeper.appends.clear()
+        async with trio.open_nursery() as changes:
+            for i in range(0, STREAMS, 2):
+                changes.start_soon(supervisor.storage.delete, f"s{i}")
+        async with trio.open_nursery() as changes:
+            for i in range(0, STREAMS, 2):
+                changes.start_soon(keeper.deleted, f"s{i}")
+            for i in range(0, 10, 2):
+                changes.start_soon(create_stream, supervisor, f"s{i}")
+        assert len(keeper.appends) < STREAMS / 2 + 5, keeper.appends
+        assert sorted(keeper.listed) == sorted(
+            [f"s{i}" for i in range(1, STREAMS, 2)] + ["s0", "s2", "s4", "s6", "s8"]
+        )
+        await assert_lists_exactly_the_live_streams(keeper)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_or_cancelled_entry_leaves_the_rest_of_its_batch() -> None:
+    async with trio.open_nursery() as nursery:
+        _, keeper = await started(nursery)
+        entry: dict[str, Any] = {"path": "x", "contentType": "text/plain", "createdAt": 1_800_000_000_000}
+
+        def refuse() -> None:
+            raise RuntimeError("waited too long")
+
+        refused: list[BaseException] = []
+
+        async def refused_one() -> None:
+            try:
+                await keeper._record("refused", dict(entry, path="refused"), refuse)
+            except RuntimeError as error:
+                refused.append(error)
+
+        keeper.appends.clear()
+        async with trio.open_nursery() as changes:
+            # Hold the lock so that every change below queues behind it and goes in one batch.
+            await keeper._lock.acquire()
+            changes.start_soon(keeper._record, "a", dict(entry, path="a"))
+            changes.start_soon(refused_one)
+            cancel_me = trio.CancelScope()
+
+            async def given_up() -> None:  # its caller gives up before its turn: never submitted
+                with cancel_me:
+                    await keeper._record("given-up", dict(entry, path="given-up"))
+
+            changes.start_soon(given_up)
+            changes.start_soon(keeper._record, "b", dict(entry, path="b"))
+            await trio.testing.wait_all_tasks_blocked()
+            cancel_me.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            keeper._lock.release()
+        assert keeper.appends == [2], keeper.appends  # a and b, in one append
+        assert [str(error) for error in refused] == ["waited too long"]
+        assert {"a", "b"} <= set(keeper.listed) and not {"refused", "given-up"} & set(keeper.listed)
+        nursery.cancel_scope.cancel()
