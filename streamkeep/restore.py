@@ -12,7 +12,8 @@ segment. Nothing is downloaded into place but these small files: reads fetch the
 the bucket as they would for any cold segment.
 
 Only into an empty (or new) directory, so it can never mix with or overwrite anything; each stream
-is built aside and renamed into place (DataDirectory.create_stream). In a cluster sharing the
+is built aside and renamed into place, as the server creates one (creates.py `create_now`, a
+round of one). In a cluster sharing the
 bucket, `--cluster-member` takes the streams that member owns.
 """
 
@@ -35,6 +36,7 @@ from streamkeep.segments.manifest import INDEX_SUFFIX, MANIFEST, decode_index, e
 from streamkeep.storage import files
 from streamkeep.storage.cold import describe
 from streamkeep.storage.cold.store import ColdConfig, ObjectStore, S3Store, get_whole
+from streamkeep.storage.disk.creates import create_now
 from streamkeep.storage.disk.directory import DataDirectory
 from streamkeep.storage.disk.meta import decode_meta
 
@@ -259,7 +261,7 @@ def _build(
         header = fmt.append_header(end, close.time_ms, [], producer=close.closed_by, closes=True)
         active += fmt.frame_append(header, b"")
     contents[layout.segment_filename(end)] = active
-    directory.create_stream(directory.streams / stream_dir, contents)
+    create_now(directory.fs, directory.streams, directory.streams / stream_dir, contents)
     outcome.segments = len(kept)
     outcome.readable = (kept[0]["start"] if kept else end, end)
 

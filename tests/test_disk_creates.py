@@ -1,6 +1,7 @@
 """Group-committed stream creation (storage/disk/creates.py) on the simulated file system: creates
 share rounds, a power cut at any call of a round leaves whole streams or none, and one failing
-create fails only itself."""
+create fails only itself; a create on its own (`create_now`, restore's) is the same steps, with
+the same guarantees."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ import trio
 
 from ops.torture.simfs import FaultPlan, SimFileSystem
 from streamkeep.protocol.stream import StreamMeta
+from streamkeep.segments import format as fmt
 from streamkeep.segments import layout
 from streamkeep.storage.base import ByteBudget
+from streamkeep.storage.disk.creates import create_now
+from streamkeep.storage.disk.directory import DataDirectory
+from streamkeep.storage.disk.meta import encode_meta
 from streamkeep.storage.disk.storage import DiskStorage
 from streamkeep.storage.errors import StorageUnavailable
 
@@ -183,3 +188,65 @@ async def test_a_power_cut_at_any_call_of_the_creates_leaves_whole_streams_or_no
             assert not [n for n in after.listdir(ROOT / layout.STREAMS) if n.startswith(".tmp-")]
             nursery.cancel_scope.cancel()
         again.close()
+
+
+def stream_contents(name: str) -> dict[str, bytes]:
+    """What storage.create writes for a stream holding one message (restore writes the same kind)."""
+    meta = new_meta(name)
+    segment = fmt.encode_segment_header(name, 0, meta.content_type, meta.stream_id)
+    segment += fmt.encode_append(0, 0, [f"{name};".encode()])
+    return {layout.META: encode_meta(meta), layout.segment_filename(0): segment}
+
+
+def create_alone(fs: SimFileSystem, name: str) -> bool:
+    """One create through `create_now` (restore's path, a round of one); True if it was acknowledged."""
+    directory = DataDirectory(fs, ROOT)
+    try:
+        create_now(fs, directory.streams, directory.stream_dir(name), stream_contents(name))
+    except OSError:  # NotDurable too: it may not survive, so it counts as not acknowledged
+        return False
+    return True
+
+
+async def test_a_create_on_its_own_is_the_same_whole_or_nothing_at_a_power_cut_at_any_call() -> None:
+    def prepared(cut_at: int | None = None) -> Counting:
+        fs = Counting()
+        DataDirectory(fs, ROOT).open()
+        fs.cut_at = None if cut_at is None else fs.calls + cut_at
+        return fs
+
+    fs = prepared()
+    before = fs.calls
+    assert create_alone(fs, "alone")
+    steps = fs.calls - before
+    # mkdir, two files (open, write, fsync each), the staging directory's and streams/'s fsyncs, a rename
+    assert steps >= 9 and fs.fsyncs.get(str(ROOT / layout.STREAMS), 0) >= 1
+    for cut_at in range(1, steps + 1):
+        fs = prepared(cut_at)
+        acknowledged = create_alone(fs, "alone")
+        after = fs.after_cut or fs.power_cut(random.Random(cut_at))
+        again = storage_on(after)
+        async with trio.open_nursery() as nursery:
+            report = await again.start(nursery)
+            assert not report.skipped, (cut_at, report.skipped)
+            names = set(again.names())
+            assert names <= {"alone"} and (not acknowledged or names == {"alone"}), (cut_at, names)
+            for name in names:
+                stream_log = again.open(name)
+                assert stream_log is not None and stream_log.published_tail == len(b"alone;"), cut_at
+            assert not [n for n in after.listdir(ROOT / layout.STREAMS) if n.startswith(".tmp-")]
+            nursery.cancel_scope.cancel()
+        again.close()
+
+
+def test_a_create_on_its_own_that_fails_leaves_nothing_and_a_taken_name_is_refused() -> None:
+    fs = Counting(fail_marker=b"broken;")
+    DataDirectory(fs, ROOT).open()
+    with pytest.raises(OSError, match="Input/output error"):
+        create_now(fs, ROOT / layout.STREAMS, ROOT / layout.STREAMS / "broken", stream_contents("broken"))
+    assert fs.listdir(ROOT / layout.STREAMS) == []
+    assert create_alone(fs, "taken")
+    with pytest.raises(FileExistsError):
+        directory = DataDirectory(fs, ROOT)
+        create_now(fs, directory.streams, directory.stream_dir("taken"), stream_contents("taken"))
+    assert len(fs.listdir(ROOT / layout.STREAMS)) == 1

@@ -12,6 +12,10 @@ creates share their syncs the way appends share commit rounds (committer.py):
 2. in one thread: rename each durable staging directory into place, then fsync `streams/` once
    for the round.
 
+The two steps (`build`, `commit`) are module functions: a create outside a running storage
+(`streamkeep restore`) is a round of one through them (`create_now`), so whole-or-nothing is
+written once.
+
 A create is answered only when its round ends: done (durable), failed (OSError or
 StorageUnavailable: nothing of it is left), or done but not durable (NotDurable: `streams/`
 could not be synced, so a power cut may take it back). One create failing (its disk space, a
@@ -37,6 +41,9 @@ from streamkeep.storage.errors import StorageUnavailable, below_reserve
 from streamkeep.storage.files import FileSystem
 
 log = logging.getLogger(__name__)
+
+# A stream's directory while it is built; recovery removes what a crash left (directory.py).
+STAGING_PREFIX = ".tmp-"
 
 # At most this many worker threads per round, however many creates wait: 64 creates in groups of
 # two took 32 threads, and the event loop's thread then waited for the GIL behind them after each
@@ -176,21 +183,46 @@ class CreateCommitter:
 
     def _build_group(self, group: list[PendingCreate], sync: bool) -> None:
         for pending in group:
-            try:
-                self._build(pending, sync)
-            except OSError as error:
-                pending.error = error
-                self._remove_staging(pending)
+            build(self._fs, self._streams_str, pending, sync)
 
-    def _build(self, pending: PendingCreate, sync: bool) -> None:
-        fs = self._fs
+    def _commit(self, built: list[PendingCreate], syncfs: bool) -> None:
+        commit(self._fs, self._streams, built, self._syncfs if syncfs else None)
+
+    def _clean_up(self, batch: list[PendingCreate]) -> None:
+        for pending in batch:
+            remove_staging(self._fs, pending)
+
+
+# ---- the steps of a create, shared by rounds and by a create on its own (`create_now`) ----
+
+
+def create_now(fs: FileSystem, streams: Path, directory: Path, contents: dict[str, bytes]) -> None:
+    """A round of one in the calling thread, for what creates streams without a running storage
+    (`streamkeep restore` builds them in its own thread pool): the same steps as a round's, each
+    file synced. An OSError means it did not happen; NotDurable, that it did but a power cut may
+    take it back."""
+    pending = PendingCreate(directory, contents)
+    build(fs, os.fspath(streams), pending, sync=True)
+    if pending.error is None:
+        commit(fs, streams, [pending], None)
+    if pending.error is not None:
+        raise pending.error
+    if pending.uncertain is not None:
+        raise pending.uncertain
+
+
+def build(fs: FileSystem, streams: str, pending: PendingCreate, sync: bool) -> None:
+    """Step 1: checks the name is free and writes the stream's files into a new staging
+    directory, each file and the directory synced if `sync`. An OSError is the create's own
+    (`pending.error`), and nothing of it is left."""
+    try:
         if fs.exists(pending.directory):
             raise FileExistsError(
                 f"{pending.directory} exists but holds no loaded stream; see the startup log"
             )
         # Paths as str and a random name without a UUID object: pathlib's joins cost a create
         # ~40 of the ~75 us of Python its file work takes on a worker thread (cProfile, issue 26).
-        staging = f"{self._streams_str}/.tmp-{os.urandom(16).hex()}"
+        staging = f"{streams}/{STAGING_PREFIX}{os.urandom(16).hex()}"
         fs.mkdir(staging)
         pending.staging = staging
         for name, data in pending.contents.items():
@@ -203,43 +235,46 @@ class CreateCommitter:
                 fs.close(fd)
         if sync:
             files.fsync_dir(fs, staging)
+    except OSError as error:
+        pending.error = error
+        remove_staging(fs, pending)
 
-    def _commit(self, built: list[PendingCreate], syncfs: bool) -> None:
-        """Makes the round's staging directories durable (one syncfs) if they are not yet,
-        renames each into place, then makes the renames durable with one fsync of `streams/`."""
-        if syncfs:
-            try:
-                self._syncfs()
-            except OSError as error:  # nothing of this round is known durable: none of it happened
-                for pending in built:
-                    pending.error = error
-                    self._remove_staging(pending)
-                return
-        renamed = []
-        for pending in built:
-            assert pending.staging is not None
-            try:
-                self._fs.rename(pending.staging, pending.directory)
-            except OSError as error:
-                pending.error = error
-                self._remove_staging(pending)
-                continue
-            pending.renamed = True
-            pending.staging = None
-            renamed.append(pending)
-        if not renamed:
-            return
+
+def commit(
+    fs: FileSystem, streams: Path, built: list[PendingCreate], syncfs: Callable[[], None] | None
+) -> None:
+    """Step 2: makes the staging directories durable (one `syncfs`) if they are not yet, renames
+    each into place, then makes the renames durable with one fsync of `streams/`."""
+    if syncfs is not None:
         try:
-            files.commit_dirs(self._fs, self._streams)
-        except files.NotDurable as error:
-            for pending in renamed:
-                pending.uncertain = error
+            syncfs()
+        except OSError as error:  # nothing of this round is known durable: none of it happened
+            for pending in built:
+                pending.error = error
+                remove_staging(fs, pending)
+            return
+    renamed = []
+    for pending in built:
+        assert pending.staging is not None
+        try:
+            fs.rename(pending.staging, pending.directory)
+        except OSError as error:
+            pending.error = error
+            remove_staging(fs, pending)
+            continue
+        pending.renamed = True
+        pending.staging = None
+        renamed.append(pending)
+    if not renamed:
+        return
+    try:
+        files.commit_dirs(fs, streams)
+    except files.NotDurable as error:
+        for pending in renamed:
+            pending.uncertain = error
 
-    def _clean_up(self, batch: list[PendingCreate]) -> None:
-        for pending in batch:
-            self._remove_staging(pending)
 
-    def _remove_staging(self, pending: PendingCreate) -> None:
-        if pending.staging is not None:
-            files.rmtree(self._fs, pending.staging)
-            pending.staging = None
+def remove_staging(fs: FileSystem, pending: PendingCreate) -> None:
+    if pending.staging is not None:
+        files.rmtree(fs, pending.staging)
+        pending.staging = None

@@ -5,7 +5,9 @@ crash-safe by construction:
 
 - `FORMAT` is written by write + fsync + rename, so a crash at the very first start cannot leave an
   empty marker that stops the next one.
-- A stream is built in `streams/.tmp-*` and renamed into place: all of it or nothing.
+- A stream is built in `streams/.tmp-*` and renamed into place: all of it or nothing. The
+  server's creates share rounds of that (creates.py `CreateCommitter`); a create on its own
+  (`streamkeep restore`) is a round of one (creates.py `create_now`), the same steps.
 - A deleted stream is renamed into `trash/` first, so a crash mid-delete cannot bring it back. If it
   had objects in the bucket, their keys are written to `trash/<id>.objects` before its directory
   goes, and that file stays until the objects are deleted: a crash or an S3 outage in between
@@ -25,6 +27,7 @@ import cbor2
 
 from streamkeep.segments import layout
 from streamkeep.storage import files
+from streamkeep.storage.disk.creates import STAGING_PREFIX
 from streamkeep.storage.files import FileSystem
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,9 @@ class DataDirectory:
                 return int(number)
         if text.strip():
             raise FormatError(f"{marker} holds {text.strip()[:80]!r}, not a streamkeep format line")
-        if fs.is_dir(self.streams) and any(not n.startswith(".tmp-") for n in fs.listdir(self.streams)):
+        if fs.is_dir(self.streams) and any(
+            not n.startswith(STAGING_PREFIX) for n in fs.listdir(self.streams)
+        ):
             return 1  # streams but no whole marker: only format 1 wrote the marker without a rename
         return None
 
@@ -108,24 +113,6 @@ class DataDirectory:
     def stream_entries(self) -> list[str]:
         return sorted(self.fs.listdir(self.streams))
 
-    def create_stream(self, directory: Path, contents: dict[str, bytes]) -> None:
-        """Builds the stream's directory in a staging directory and renames it into place. An
-        OSError means it did not happen; NotDurable, that it did but may not survive a power cut."""
-        fs = self.fs
-        if fs.exists(directory):
-            raise FileExistsError(f"{directory} exists but holds no loaded stream; see the startup log")
-        staging = self.streams / f".tmp-{uuid.uuid4().hex}"
-        fs.mkdir(staging)
-        try:
-            for name, data in contents.items():
-                files.write_new(fs, staging / name, data)
-            files.fsync_dir(fs, staging)
-            fs.rename(staging, directory)
-        except BaseException:
-            files.rmtree(fs, staging)
-            raise
-        files.commit_dirs(fs, self.streams)
-
     def delete_stream(
         self, directory: Path, object_keys: list[str]
     ) -> tuple[Path | None, files.NotDurable | None]:
@@ -171,7 +158,7 @@ class DataDirectory:
             files.rmtree(fs, self.trash / name)
             removed.append(f"trash/{name}")
         for name in fs.listdir(self.streams):
-            if name.startswith(".tmp-"):  # a create a crash interrupted: it never happened
+            if name.startswith(STAGING_PREFIX):  # a create a crash interrupted: it never happened
                 files.rmtree(fs, self.streams / name)
                 removed.append(f"streams/{name}")
         return removed
