@@ -1,7 +1,7 @@
 """CPU per append of front doors to the same two members, beside one process direct (issue 26, item 2).
 
     python -m ops.frontdoor_compare [--seconds 4] [--rounds 2] [--clients 16] [--streams 64]
-                                    [--only NAME ...]
+                                    [--no-paced-owners] [--only NAME ...]
 
 One `streamkeep cluster run --processes 2` (memory storage; its own HAProxy, as generated, is the
 first front door), one `streamkeep serve` direct, and beside them further front doors to the same
@@ -14,9 +14,10 @@ split into the front door's processes and the members' (with `cluster run` itsel
 doors cost the members only their health checks. Two passes have no front door: each member loaded
 straight with the streams it owns (a client that knows the placement), as fast as answered and
 paced at the rate the generated HAProxy carried in the same round (the members' part load without
-the hop). Prints one Markdown table and, per round, each
-front door's total CPU per append over the direct process's (the mean of the round's first and
-last direct pass; issue 26's target: <= 1.3x).
+the hop); the direct process is loaded again last. Prints one Markdown table with each front
+door's total CPU per append over the direct process's (the mean of the round's first and last
+direct pass; issue 26's target: <= 1.3x). nginx's configuration is for measuring only: the
+Makefile does not install nginx (results: docs/benchmarks.md, issue 26).
 """
 
 from __future__ import annotations
