@@ -6,9 +6,10 @@ One `CreateCommitter` task runs those steps for every create waiting, in rounds,
 creates share their syncs the way appends share commit rounds (committer.py):
 
 1. in at most MAX_THREADS worker threads, `group_size` or more creates each: check the name is
-   free, mkdir the staging directory, write its files, and (fdatasync method) fsync each file and the staging directory:
-   parallel fsyncs on ext4 share journal commits. With `syncfs`, nothing is synced per create:
-   one syncfs() of the data directory's file system covers the whole round;
+   free, mkdir the staging directory, write its files, and (fdatasync method) fsync each file
+   and the staging directory: parallel fsyncs on a journalled ext4 share journal commits (on
+   ext4 without a journal, as perf found on the 2-core dev VM, each is its own write and flush). With
+   `syncfs`, nothing is synced per create: one syncfs() of the file system covers the round;
 2. in one thread: rename each durable staging directory into place, then fsync `streams/` once
    for the round.
 
