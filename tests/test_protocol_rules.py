@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import pytest
 
@@ -21,6 +22,7 @@ from streamkeep.protocol.stream import (
     StreamMeta,
     StreamState,
     apply_append,
+    copy_meta,
     plan_append,
 )
 
@@ -312,3 +314,15 @@ def test_sse_splits_lines_and_encodes_binary() -> None:
     assert sse.data_payload([b"1", b"[2]"], json_mode=True, base64_mode=False) == "[1,[2]]"
     closed = sse.control("00", cursor="5", up_to_date=False, closed=True)
     assert b'"streamClosed":true' in closed and b"streamCursor" not in closed
+
+
+def test_copy_meta_copies_every_field() -> None:
+    """copy_meta is written out from the field list (protocol/stream.py): a field it missed would
+    be lost on every append's planned state."""
+    values = {}
+    for number, item in enumerate(fields(StreamMeta)):
+        values[item.name] = (number, item.name)  # a distinct value per field, whatever its type
+    meta = StreamMeta(**values)  # type: ignore[arg-type]
+    copy = copy_meta(meta)
+    assert copy is not meta
+    assert all(getattr(copy, name) == value for name, value in values.items())

@@ -497,7 +497,7 @@ async def test_a_drop_after_an_upload_whose_manifest_save_half_failed_keeps_the_
         except OSError:
             pass
         fs.faults.forced.clear()  # only those syncs fail
-        assert stream_log.cold_entries == []  # what memory believes; the disk lists the segment
+        assert not stream_log.cold_entries  # what memory believes; the disk lists the segment
         await retention(storage, max_bytes=30).pass_once()
         floor = stream_log.floor
         assert floor > first.start

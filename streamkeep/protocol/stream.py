@@ -6,7 +6,9 @@ the plan durably through storage, then applies it with `apply_append`. Nothing h
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, cast
 
 from streamkeep.protocol import headers as h
 from streamkeep.protocol import jsonmode
@@ -31,7 +33,7 @@ class ProducerMark:
     seq: int
 
 
-@dataclass
+@dataclass(slots=True)  # one per stream kept in memory, idle or not: 192 B with slots, 288 without
 class StreamMeta:
     name: str
     stream_id: str
@@ -390,9 +392,18 @@ def apply_append(state: StreamState, plan: AppendPlan, new_tail: int) -> AppendO
     return AppendOutcome(204, new_tail, meta.closed)
 
 
-def copy_meta(meta: StreamMeta) -> StreamMeta:
-    """A shallow copy (every field is immutable). Once per append: `dataclasses.replace` runs
-    `__init__` through keyword arguments, ~3 us; this is ~0.3 us."""
-    copy = object.__new__(StreamMeta)
-    copy.__dict__.update(meta.__dict__)
-    return copy
+def _field_copier() -> Callable[[StreamMeta], StreamMeta]:
+    """A function that copies every field by name, written out from the field list as dataclasses
+    writes `__init__`: ~0.7 us, where `dataclasses.replace` takes ~3 us (keyword arguments through
+    `__init__`) and a loop over the fields ~2 us."""
+    names = [f.name for f in fields(StreamMeta)]
+    body = "".join(f"    copy.{name} = meta.{name}\n" for name in names)
+    source = f"def copy_meta(meta):\n    copy = new(StreamMeta)\n{body}    return copy\n"
+    namespace: dict[str, Any] = {"new": object.__new__, "StreamMeta": StreamMeta}
+    # Compiled under this file's name, so profiles (ops/profile_append.py) count it as planning.
+    exec(compile(source, __file__, "exec"), namespace)
+    return cast("Callable[[StreamMeta], StreamMeta]", namespace["copy_meta"])
+
+
+copy_meta = _field_copier()
+"""A shallow copy of a `StreamMeta` (every field is immutable), once per append."""

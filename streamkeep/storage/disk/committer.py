@@ -33,7 +33,9 @@ class Committable(Protocol):
     """A stream's log as the committer sees it (DiskLog is one)."""
 
     meta: StreamMeta
-    writer: SegmentWriter
+
+    @property
+    def writer(self) -> SegmentWriter: ...
 
     @property
     def active_segment(self) -> Segment: ...

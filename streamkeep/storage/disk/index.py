@@ -13,13 +13,19 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamkeep.segments import layout
 
-@dataclass(eq=False)
+
+@dataclass(slots=True, eq=False)
 class Segment:
-    """One segment file of a stream (docs/segment-format.md). Compared by identity."""
+    """One segment file of a stream (docs/segment-format.md). Compared by identity.
+
+    It keeps its stream's directory as the string every segment of the stream and its log share,
+    not a `Path` of its own: a `Path` per segment and one per stream cost ~450 B per idle stream
+    (issue 26), and its file name follows from `start`."""
 
     start: int
-    path: Path
+    directory: str
     size: int  # bytes written and published
     appends: int = 0  # append records in it
     cold_key: str | None = None  # its object in the bucket, once uploaded and verified
@@ -28,6 +34,10 @@ class Segment:
     last_ms: int | None = None  # append time of its last record: when retention by age may drop it
     retained_away: bool = False  # dropped by retention: a read that still holds it answers 410
     last_record_at: int | None = None  # where its last append record starts in the file
+
+    @property
+    def path(self) -> Path:
+        return Path(self.directory, layout.segment_filename(self.start))
 
 
 @dataclass(slots=True, eq=False)
@@ -43,14 +53,22 @@ class Entry:
         return self.start + self.length
 
 
+_NO_STARTS: list[int] = []
+_NO_ENTRIES: list[Entry] = []
+
+
 class RecordIndex:
     """The published records in position order. Retention drops a prefix; `dropped` counts the
     entries gone before `entries[0]`, so `dropped + i` names a record for its whole life (the
     tail cache's keys) however many go before it."""
 
+    __slots__ = ("_starts", "dropped", "entries")
+
     def __init__(self) -> None:
-        self._starts: list[int] = []  # a plain list beside the entries, for bisect
-        self.entries: list[Entry] = []
+        # Until the first record, the lists every empty index shares (two empty lists cost an
+        # idle stream that was only created 112 B); only `add` grows them, and it makes new ones.
+        self._starts: list[int] = _NO_STARTS  # a plain list beside the entries, for bisect
+        self.entries: list[Entry] = _NO_ENTRIES
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -68,6 +86,9 @@ class RecordIndex:
         return count
 
     def add(self, entry: Entry) -> None:
+        if not self.entries:
+            self._starts, self.entries = [entry.start], [entry]
+            return
         self._starts.append(entry.start)
         self.entries.append(entry)
 
@@ -103,6 +124,8 @@ class RecordIndex:
 class TailCache:
     """The payloads of the newest records, by record index, bounded in bytes: live readers and
     catch-ups near the tail are served without touching the disk."""
+
+    __slots__ = ("_bytes", "_items", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

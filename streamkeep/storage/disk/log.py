@@ -16,12 +16,12 @@ from dataclasses import replace
 import trio
 
 from streamkeep.segments import format as fmt
-from streamkeep.segments import layout
 from streamkeep.storage.base import AppendRecord, Commit, resolved
 from streamkeep.storage.disk.committer import CommitBatch
 from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log_reads import LogReads
 from streamkeep.storage.disk.log_retention import LogRetention
+from streamkeep.storage.disk.log_state import NOTHING_QUEUED, own_producers, producers_copy
 from streamkeep.storage.disk.writer import NotTakenBack, Pending, ReadOnly, plan_batch
 from streamkeep.storage.errors import StorageUnavailable, StreamDeleted, from_os_error
 
@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 class DiskLog(LogReads, LogRetention):
     """A stream's log on disk: what the `Storage` interface (storage/base.py) hands its actor."""
+
+    __slots__ = ()
 
     # ---- appends ----------------------------------------------------------------------
 
@@ -52,8 +54,12 @@ class DiskLog(LogReads, LogRetention):
         # written in place afterwards, so sharing it is safe and saves a copy per append.
         self.meta = record.meta
         if record.producer is not None:
+            self.producers = own_producers(self.producers)
             self.producers[record.producer[0]] = record.producer[1]
-        self._queue.append(pending)
+        if self._queue:
+            self._queue.append(pending)
+        else:
+            self._queue = [pending]
         self._latest = pending.commit
         self.release_when_synced = False  # awake again
         storage.committer.wake(self)
@@ -69,7 +75,7 @@ class DiskLog(LogReads, LogRetention):
             self.io_lock.acquire_nowait()
         except trio.WouldBlock:
             return None
-        pending, self._queue = self._queue, []
+        pending, self._queue = self._queue, NOTHING_QUEUED
         self._committing = True
         storage = self.host
         try:
@@ -93,7 +99,7 @@ class DiskLog(LogReads, LogRetention):
                 self.host.health.ok("commit")
             else:
                 self._fail(batch.pending + self._queue, self._storage_error(batch.error))
-                self._queue = []
+                self._queue = NOTHING_QUEUED
         finally:
             self.io_lock.release()
 
@@ -159,7 +165,7 @@ class DiskLog(LogReads, LogRetention):
             soft_deleted=self.meta.soft_deleted,
             remote_forks=self.meta.remote_forks,
         )
-        self.producers = dict(self._durable_producers)
+        self.producers = producers_copy(self._durable_producers)
         # A retried duplicate or an idempotent close waits on this: it repeats what is published.
         self._latest = resolved(self._pub_tail)
         for item in pending:
@@ -216,7 +222,7 @@ class DiskLog(LogReads, LogRetention):
 
     async def _start_segment(self, active: Segment) -> None:
         start = self._pub_tail
-        segment = Segment(start, self.directory / layout.segment_filename(start), 0)
+        segment = Segment(start, self.location, 0)
         header = fmt.encode_segment_header(self.meta.name, start, self.meta.content_type, self.meta.stream_id)
         await self.host.run_io(self.writer.start_segment, active, segment, header)
         segment.size = len(header)
@@ -228,6 +234,13 @@ class DiskLog(LogReads, LogRetention):
                 await self.sync()
             except OSError as error:
                 raise from_os_error(error, f"sync of {self.meta.name!r}") from None
+
+    def went_idle(self) -> None:
+        """Its actor hibernated: nobody listens for publishes any more (the next actor says so
+        again), and what an idle stream holds shrinks to what it cannot make again."""
+        self.on_publish = None
+        self.release_descriptor()
+        self.shed()
 
     def release_descriptor(self) -> None:
         """Closes the active segment's write descriptor of a stream whose actor hibernated: kept,
@@ -244,7 +257,10 @@ class DiskLog(LogReads, LogRetention):
             self.release_when_synced = True
             return
         self.release_when_synced = False
-        self.writer.close()
+        writer = self.writer
+        writer.close()
+        if writer.at_rest(self.active_segment):
+            self.drop_writer()  # the next write makes a new one, the same as this
 
     async def sync(self) -> None:
         """Makes what this stream wrote durable (fsync=interval)."""

@@ -52,8 +52,9 @@ class LogReads(LogState):
         """The payloads of `entries`, whose first has tail-cache key `first_key`."""
         found: dict[int, bytes] = {}
         missing: dict[int, list[int]] = {}
+        cache = self._cache
         for number, entry in enumerate(entries):
-            cached = self._cache.get(first_key + number)
+            cached = cache.get(first_key + number) if cache is not None else None
             if cached is not None:
                 found[number] = cached
             else:

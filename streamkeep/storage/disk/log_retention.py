@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 class LogRetention(LogState):
     """The floor and what is held below it, moved crash-safely (docs/segment-format.md, "Retention")."""
 
+    __slots__ = ()
+
     def checkpoint_at(self, floor: int, snapshot_end: int | None = None) -> FloorCheckpoint:
         """The durable state now, as a floor checkpoint at `floor`."""
         meta = self._durable_meta

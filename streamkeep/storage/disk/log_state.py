@@ -13,7 +13,8 @@ stream deleted while they ran.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +32,39 @@ from streamkeep.storage.disk.index import Entry, RecordIndex, Segment, TailCache
 from streamkeep.storage.disk.tiering import ColdTier
 from streamkeep.storage.disk.writer import Pending, SegmentLimits, SegmentWriter
 from streamkeep.storage.files import FileSystem
+
+# What a stream's last commit is before it has one; shared, as a settled commit never changes.
+_RESOLVED = resolved(0)
+
+
+class _NoProducers(dict[str, ProducerState]):
+    """The producer table of a stream no idempotent producer wrote to: one object every such
+    stream shares (an empty dict per table cost 64 B, two per idle stream). Read-only: whoever
+    records a producer gives the stream a table of its own first (`own_producers`); writing to
+    this one is a bug, and fails loudly rather than reaching every stream."""
+
+    def __setitem__(self, key: str, value: ProducerState) -> None:
+        raise TypeError("the shared empty producer table is read-only")
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("the shared empty producer table is read-only")
+
+
+NO_PRODUCERS: dict[str, ProducerState] = _NoProducers()
+
+# The queue of a stream with no append waiting for a round, shared: `submit` starts a list of the
+# stream's own (an empty list per stream cost 56 B), and nothing else ever adds to it.
+NOTHING_QUEUED: list[Pending] = []
+
+
+def producers_copy(table: dict[str, ProducerState]) -> dict[str, ProducerState]:
+    """A table of one's own with `table`'s producers, or the shared empty one."""
+    return dict(table) if table else NO_PRODUCERS
+
+
+def own_producers(table: dict[str, ProducerState]) -> dict[str, ProducerState]:
+    """`table`, or a new empty one in place of the shared one, to write to."""
+    return {} if table is NO_PRODUCERS else table
 
 
 class LogHost(Protocol):
@@ -51,34 +85,68 @@ class LogHost(Protocol):
 class LogState:
     """The state every part of a `DiskLog` shares. Accepted (`meta`, `producers`, `tail`: what
     the actor has said yes to) runs ahead of published (durable, what readers see) by the appends
-    queued or being committed."""
+    queued or being committed.
+
+    One of these stays in memory for every stream, idle or not (100,000 streams on a server are
+    issue 26's case): it has slots, and the parts only a busy stream uses (the tail cache, the I/O
+    lock) are made at first use and dropped again when the stream goes idle (`shed`)."""
+
+    __slots__ = (
+        "_cache",
+        "_committing",
+        "_durable_meta",
+        "_durable_producers",
+        "_io_lock",
+        "_latest",
+        "_pub_closed",
+        "_pub_tail",
+        "_queue",
+        "_tail",
+        "_writer",
+        "cold_entries",
+        "deleted",
+        "deleting",
+        "dirty",
+        "floor",
+        "host",
+        "index",
+        "last_append_ms",
+        "location",
+        "meta",
+        "on_publish",
+        "producers",
+        "release_when_synced",
+        "segments",
+        "snapshot_end",
+    )
 
     def __init__(self, host: LogHost, directory: Path, meta: StreamMeta) -> None:
         self.host = host
-        self.directory = directory
+        # A string, shared with its segments: see `directory`.
+        self.location = os.fspath(directory)
         self.meta = meta  # accepted
-        self.producers: dict[str, ProducerState] = {}
+        self.producers = NO_PRODUCERS
         self.on_publish: Callable[[], None] | None = None
         self.segments: list[Segment] = []
         self.index = RecordIndex()
-        self._cache = TailCache(host.cache_bytes)
+        self._cache: TailCache | None = None  # made by the first payload it keeps
         self._tail = meta.fork_base
         # published (durable) state
         self._pub_tail = meta.fork_base
         self._pub_closed = False
         self._durable_meta = replace(meta)
-        self._durable_producers: dict[str, ProducerState] = {}
-        self._queue: list[Pending] = []
+        self._durable_producers = NO_PRODUCERS
+        self._queue: list[Pending] = NOTHING_QUEUED
         self._committing = False
-        self._latest: Commit = resolved(0)
-        self.writer = SegmentWriter(host.fs, directory)
-        self.io_lock = trio.Lock()
+        self._latest: Commit = _RESOLVED
+        self._writer: SegmentWriter | None = None  # made by the first to use it (`writer`)
+        self._io_lock: trio.Lock | None = None  # made by the first to take it (`io_lock`)
         self.dirty = False  # written but not yet synced (fsync=interval)
         # Its actor hibernated while it was dirty: give the descriptor back once synced.
         self.release_when_synced = False
         self.deleted = False
         self.deleting: trio.Event | None = None  # set when a delete in progress has its outcome
-        self.cold_entries: list[dict] = []  # the manifest: segments uploaded to the cold tier
+        self.cold_entries: Sequence[dict] = ()  # the manifest: segments uploaded to the cold tier
         # Retention (log_retention.py): readers see nothing before `floor` (410); the files before it
         # may stay a while for forks that pin them (`segments[0].start` is what is still held).
         self.floor = 0  # a fork shows its source from 0
@@ -88,6 +156,49 @@ class LogState:
         self.last_append_ms: int | None = None
 
     # ---- state views --------------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The stream's directory. Made when asked (a `Path` kept per stream cost ~250 B), which
+        is only for work on its files other than appends: retention, the cold tier, deletes."""
+        return Path(self.location)
+
+    @property
+    def writer(self) -> SegmentWriter:
+        """The active segment's writer. An idle stream at rest drops it (`drop_writer`); made
+        again, it knows the whole active segment durable, as the one dropped did."""
+        writer = self._writer
+        if writer is None:
+            writer = self._writer = SegmentWriter(self.host.fs, self.location)
+            if self.segments:
+                writer.synced_size = self.segments[-1].size
+        return writer
+
+    def drop_writer(self) -> None:
+        self._writer = None
+
+    @property
+    def kept_writer(self) -> SegmentWriter | None:
+        """The writer if the stream has one now: for work over every stream (stop, /stats) that
+        must not make one per idle stream just to look at it."""
+        return self._writer
+
+    @property
+    def io_lock(self) -> trio.Lock:
+        lock = self._io_lock
+        if lock is None:
+            lock = self._io_lock = trio.Lock()
+        return lock
+
+    def shed(self) -> None:
+        """Drops what an idle stream can make again when it is next used: the payloads of its tail
+        cache (a woken stream reads its tail from the segment file, most likely still in the page
+        cache) and its I/O lock, if nobody holds or waits for it. Taking the lock never awaits
+        between reading `io_lock` and acquiring it, so nobody can hold a lock dropped here."""
+        self._cache = None
+        lock = self._io_lock
+        if lock is not None and not lock.locked() and lock.statistics().tasks_waiting == 0:
+            self._io_lock = None
 
     @property
     def tail(self) -> int:
@@ -141,6 +252,7 @@ class LogState:
         segment.last_record_at = record.file_offset
         producer = record.producer
         if producer is not None:
+            self._durable_producers = own_producers(self._durable_producers)
             self._durable_producers[producer[0]] = ProducerState(producer[1], producer[2])
         if record.stream_seq is not None:
             self._durable_meta.last_stream_seq = record.stream_seq
@@ -150,14 +262,19 @@ class LogState:
             if producer is not None:
                 self._durable_meta.closed_by = ProducerMark(*producer)
         if payload is not None:
-            self._cache.put(self.index.dropped + len(self.index) - 1, payload)
+            cache = self._cache
+            if cache is None:
+                cache = self._cache = TailCache(self.host.cache_bytes)
+            cache.put(self.index.dropped + len(self.index) - 1, payload)
 
     def adopt_floor(self, checkpoint: FloorCheckpoint) -> None:
         """At recovery, before the records still there are indexed: what the dropped ones decided."""
         self.floor = max(self.floor, checkpoint.floor)
         self.snapshot_end = checkpoint.snapshot_end
         self.last_append_ms = checkpoint.last_append_ms
-        self._durable_producers.update(checkpoint.producers)
+        if checkpoint.producers:
+            self._durable_producers = own_producers(self._durable_producers)
+            self._durable_producers.update(checkpoint.producers)
         self._durable_meta.last_stream_seq = checkpoint.last_stream_seq
         if checkpoint.closed:
             self._pub_closed = True
@@ -189,8 +306,11 @@ class LogState:
         else:
             self._durable_meta.last_access = self._durable_meta.created_at
         self._tail = self._pub_tail
-        self.meta = replace(self._durable_meta)
-        self.producers = dict(self._durable_producers)
+        # One object while accepted equals durable, as after every round: the fields written in
+        # place (last access, fork links, soft deletion) are carried over from `meta` when a
+        # failed round rolls back to the durable state (log.py, `_fail`).
+        self.meta = self._durable_meta
+        self.producers = producers_copy(self._durable_producers)
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:

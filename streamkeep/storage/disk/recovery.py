@@ -130,6 +130,7 @@ def read_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Load
     if not names:
         raise ValueError("no segment files")
     expected = layout.segment_start(names[0])
+    where = os.fspath(directory)  # the string its log and segments share (index.Segment)
     for number, file_name in enumerate(names):
         path = directory / file_name
         is_last = number == len(names) - 1
@@ -141,7 +142,9 @@ def read_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Load
             _forget_before(fs, loaded, name, start, report)
             expected = start
         if entry is not None and file_name not in local:  # only in the bucket: its sidecar stands in
-            segment = Segment(expected, path, entry["size"], cold_key=entry["key"], local=False)
+            if start != expected:
+                raise fmt.CorruptRecord(f"cold segment {file_name} is out of order")
+            segment = Segment(expected, where, entry["size"], cold_key=entry["key"], local=False)
             loaded.segments.append(segment)
             for record in manifest.read_index(fs, path):
                 if record.start != expected:
@@ -187,7 +190,9 @@ def read_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Load
             log.warning(
                 "recovery: %s: truncated torn tail of %s at byte %d (%s)", name, file_name, valid, reason
             )
-        segment = Segment(expected, path, records[0].end, cold_key=entry["key"] if entry else None)
+        if start != expected:  # a segment's path follows from its start (index.Segment)
+            raise ValueError(f"segment {file_name} holds position {expected} under another position's name")
+        segment = Segment(expected, where, records[0].end, cold_key=entry["key"] if entry else None)
         loaded.segments.append(segment)
         for record in records[1:]:
             if record.kind != fmt.KIND_APPEND or record.start != expected:

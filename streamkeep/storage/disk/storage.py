@@ -222,14 +222,16 @@ class DiskStorage:
         # next start must know the last stop was not clean.
         clean = not (self._repair_when_read and self._unread)
         for stream_log in list(self._logs.values()):
-            if stream_log.writer.needs_repair and stream_log.writer.read_only is None:
+            writer = stream_log.kept_writer  # a stream with none has nothing open or to repair
+            if writer is not None and writer.needs_repair and writer.read_only is None:
                 try:  # a failed write not yet cut back: cut it now, not at the next start
                     async with stream_log.exclusive():
                         await self.run_io(stream_log.writer.repair, stream_log.active_segment)
                 except (OSError, ReadOnly) as error:
                     clean = False
                     log.error("shutdown: repairing %r failed: %s", stream_log.meta.name, error)
-            if self.fsync != "always" and (stream_log.writer.open_fd() is not None or stream_log.dirty):
+            has_fd = writer is not None and writer.open_fd() is not None
+            if self.fsync != "always" and (has_fd or stream_log.dirty):
                 try:
                     await stream_log.sync()
                 except OSError as error:
@@ -247,7 +249,9 @@ class DiskStorage:
             self.fs.close(self.root_fd)
             self.root_fd = -1
         for stream_log in self._logs.values():
-            stream_log.writer.close()
+            writer = stream_log.kept_writer
+            if writer is not None:
+                writer.close()
 
     async def _sync_loop(self) -> None:
         while True:
@@ -283,8 +287,7 @@ class DiskStorage:
     def idle(self, name: str) -> None:
         stream_log = self._logs.get(name)  # never read here: a stream not read yet holds nothing
         if stream_log is not None:
-            stream_log.on_publish = None
-            stream_log.release_descriptor()
+            stream_log.went_idle()
 
     async def recovered(self) -> None:
         """Returns once every stream found at start is read. Work over all streams (the TTL
@@ -322,7 +325,7 @@ class DiskStorage:
         if done.uncertain is not None:  # it exists, but a power cut may take it back
             uncertain = not_durable(f"create of {meta.name!r}", done.uncertain)
         stream_log = DiskLog(self, directory, replace(meta, closed=False))
-        segment = Segment(base, directory / layout.segment_filename(base), header_len)
+        segment = Segment(base, stream_log.location, header_len)
         stream_log.segments.append(segment)
         if initial is not None:
             record = fmt.decode_at(segment_bytes, header_len)
@@ -396,7 +399,11 @@ class DiskStorage:
             "creates": self.creates.created,
             "streams_unread": len(self._unread),  # found at start, not read yet (serving early)
             **self.health.stats(),
-            "read_only_streams": sorted(n for n, s in self._logs.items() if s.writer.read_only is not None),
+            "read_only_streams": sorted(
+                n
+                for n, s in self._logs.items()
+                if s.kept_writer is not None and s.kept_writer.read_only is not None
+            ),
         }
 
     def tier_bytes(self) -> dict[str, int]:
@@ -520,9 +527,12 @@ class DiskStorage:
             stream_log.index_record(segment, record, None)
         last_ms = loaded.last_ms if loaded.last_ms is not None else stream_log.last_append_ms
         stream_log.adopt_durable_state(last_ms)
-        if self.fsync == "always":  # what recovery read was synced before it was acknowledged
-            stream_log.writer.synced_size = stream_log.active_segment.size
-        stream_log.writer.needs_repair = loaded.needs_repair
+        # Under fsync=always what recovery read was synced before it was acknowledged, as a writer
+        # made at the first write assumes (`DiskLog.writer`); otherwise it is not known durable.
+        if self.fsync != "always":
+            stream_log.writer.synced_size = None
+        if loaded.needs_repair:
+            stream_log.writer.needs_repair = True
         if self._repair_when_read:
             self._repair_at_first_sync(stream_log)
         self._logs[stream_log.meta.name] = stream_log

@@ -96,7 +96,7 @@ def plan_batch(
             too_old = False
             if buffer:
                 plan.parts.append(Part(segment, offset, b"".join(buffer), new))
-            segment = Segment(pending.start, active.path.parent / layout.segment_filename(pending.start), 0)
+            segment = Segment(pending.start, active.directory, 0)
             first = fmt.encode_segment_header(meta.name, pending.start, meta.content_type, meta.stream_id)
             buffer, offset, size, appends, new = [first], 0, len(first), 0, True
         record = pending.record
@@ -136,6 +136,8 @@ class NotTakenBack(OSError):
 class SegmentWriter:
     """Owns the active segment's descriptor. Every method runs in a worker thread while the stream's
     I/O lock is held, so no two of them ever touch the descriptor at once."""
+
+    __slots__ = ("_fd", "directory", "fs", "needs_repair", "read_only", "synced_size", "unlink_unsynced")
 
     def __init__(self, fs: FileSystem, directory: str | os.PathLike[str]) -> None:
         self.fs = fs
@@ -326,6 +328,17 @@ class SegmentWriter:
 
     def open_fd(self) -> int | None:
         return self._fd
+
+    def at_rest(self, active: Segment) -> bool:
+        """Whether a new writer for `active` would be the same as this one: no descriptor, nothing
+        to repair or take back, and all of the segment known durable."""
+        return (
+            self._fd is None
+            and not self.needs_repair
+            and not self.unlink_unsynced
+            and self.read_only is None
+            and self.synced_size == active.size
+        )
 
     def close(self) -> None:
         if self._fd is not None:
