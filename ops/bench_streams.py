@@ -84,6 +84,9 @@ class Report:
     hibernate_wait_s: float
     appends_all_per_s: float
     appends_hot_per_s: float
+    # Server CPU per append of each phase: where "all" costs more than "hot", and how much
+    append_all_cpu_us: float
+    append_hot_cpu_us: float
     append_failures: int
     ratio: float
     load: str
@@ -238,6 +241,8 @@ def bench(args: argparse.Namespace) -> Report:
         hibernate_wait_s=waited,
         appends_all_per_s=all_streams.per_second,
         appends_hot_per_s=hot_streams.per_second,
+        append_all_cpu_us=all_streams.cpu_seconds / max(all_streams.ok, 1) * 1e6,
+        append_hot_cpu_us=hot_streams.cpu_seconds / max(hot_streams.ok, 1) * 1e6,
         append_failures=all_streams.failed + hot_streams.failed,
         ratio=all_streams.per_second / hot_streams.per_second if hot_streams.per_second else 0.0,
         load=load_average(),
@@ -279,11 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(after {report.hibernate_wait_s:.1f} s) | {report.rss_per_idle_stream * kib:.2f} KiB |"
     )
     print()
-    print(f"| appends over {report.streams} streams | over {report.hot} | ratio | failed |")
-    print("|---|---|---|---|")
+    print(
+        f"| appends over {report.streams} streams | over {report.hot} | ratio | server CPU per append, all / hot | failed |"
+    )
+    print("|---|---|---|---|---|")
     print(
         f"| {report.appends_all_per_s:,.0f}/s | {report.appends_hot_per_s:,.0f}/s | {report.ratio:.2f} "
-        f"| {report.append_failures} |"
+        f"| {report.append_all_cpu_us:,.0f} / {report.append_hot_cpu_us:,.0f} us | {report.append_failures} |"
     )
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
