@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from streamkeep import collector
 from streamkeep.actors.expiry import sweep_expired
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth import setup as auth_setup
@@ -435,6 +436,7 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage], injected:
 
 
 def run(settings: SimpleNamespace) -> None:
+    collector.tune()  # the process's, so here and not in `serve`, which tests run in theirs
     trio.run(serve, settings)
 
 
