@@ -38,6 +38,7 @@ from typing import Any
 
 import trio
 
+from streamkeep import collector
 from streamkeep.assemble import Injected, serve
 from streamkeep.background import Backoff
 from streamkeep.coordination.etcd import Etcd, EtcdError
@@ -617,4 +618,5 @@ async def run_replica(settings: SimpleNamespace) -> None:
 
 
 def run(settings: SimpleNamespace) -> None:
+    collector.tune()  # a server process, as `assemble.run` sets it
     trio.run(run_replica, settings)

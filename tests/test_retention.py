@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from ops.serverproc import start
@@ -17,6 +18,7 @@ from streamkeep.actors.messages import DetachFork
 from streamkeep.protocol import offsets
 from streamkeep.segments import layout
 from streamkeep.storage.cold.bookkeeping import record_upload
+from streamkeep.storage.disk.log import DiskLog
 from streamkeep.storage.disk.retention import Retention, RetentionRule
 from streamkeep.storage.disk.storage import DiskStorage
 from tests.test_sim_storage import ROOT, T, call, new_fs, server
@@ -293,7 +295,7 @@ async def test_a_fork_of_a_retained_stream_starts_where_its_source_still_holds_d
         assert again.status == 200 and again.body.startswith(everything.body)
 
 
-async def test_a_fork_made_during_a_pass_keeps_its_inherited_range() -> None:
+async def test_a_fork_made_during_a_pass_keeps_its_inherited_range(monkeypatch: pytest.MonkeyPatch) -> None:
     fs = new_fs()
     async with server(fs, **SMALL) as (service, storage):
         for name in ("a", "src"):
@@ -303,15 +305,16 @@ async def test_a_fork_made_during_a_pass_keeps_its_inherited_range() -> None:
         first = storage.open("a")
         source = storage.open("src")
         assert first is not None and source is not None
-        original = first.raise_floor
+        original = DiskLog.raise_floor
         at = offsets.encode(10, source.meta.incarnation)
 
-        async def fork_meanwhile(*args: Any, **kwargs: Any) -> bool:
-            fork = [*T, ("Stream-Forked-From", "/v1/stream/src"), ("Stream-Fork-Offset", at)]
-            assert (await call(service, "PUT", "f", b"", fork)).status == 201
-            return await original(*args, **kwargs)
+        async def fork_meanwhile(self: DiskLog, *args: Any, **kwargs: Any) -> bool:
+            if self is first:  # a log has slots: patched on its class, for this one log
+                fork = [*T, ("Stream-Forked-From", "/v1/stream/src"), ("Stream-Fork-Offset", at)]
+                assert (await call(service, "PUT", "f", b"", fork)).status == 201
+            return await original(self, *args, **kwargs)
 
-        first.raise_floor = fork_meanwhile  # type: ignore[method-assign]
+        monkeypatch.setattr(DiskLog, "raise_floor", fork_meanwhile)
         await rule.pass_once()
         inherited = await call(service, "GET", "f", query="offset=-1")
         assert inherited.status == 200 and inherited.body == b"m000;m001;", inherited.body[:60]

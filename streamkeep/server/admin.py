@@ -208,7 +208,8 @@ def _fork_point(storage: Storage, stream_log: StreamLog) -> str | None:
 
 def _read_only(stream_log: StreamLog) -> str | None:
     """Why the stream takes no appends until a restart (disk storage, records failing checks)."""
-    writer = getattr(stream_log, "writer", None)
+    # `kept_writer` on disk: looking must not make a writer for an idle stream (a memory log has none)
+    writer = getattr(stream_log, "kept_writer", None)
     reason = getattr(writer, "read_only", None)
     return None if reason is None else str(reason)
 

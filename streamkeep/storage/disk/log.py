@@ -242,26 +242,6 @@ class DiskLog(LogReads, LogRetention):
         self.release_descriptor()
         self.shed()
 
-    def release_descriptor(self) -> None:
-        """Closes the active segment's write descriptor of a stream whose actor hibernated: kept,
-        one per stream ever written, they ran into the process's descriptor limit (100,000 streams;
-        past it every append answered 503 and accept failed with EMFILE), and the next write opens
-        it again. Not while anything of the stream is queued, being written, synced or repaired,
-        nor while it holds what a relaxed fsync policy has not synced yet (the interval sync and a
-        clean stop sync through it; under fsync=never it stays open)."""
-        if self.host.fsync == "never":
-            return
-        if self.pending or self.io_lock.locked() or self.writer.needs_repair or self.dirty:
-            # Under fsync=interval the next sync gives it back; under fsync=always a stream busy
-            # at this moment (its I/O lock held by retention, say) keeps it until it next hibernates.
-            self.release_when_synced = True
-            return
-        self.release_when_synced = False
-        writer = self.writer
-        writer.close()
-        if writer.at_rest(self.active_segment):
-            self.drop_writer()  # the next write makes a new one, the same as this
-
     async def sync(self) -> None:
         """Makes what this stream wrote durable (fsync=interval)."""
         async with self.exclusive():

@@ -14,6 +14,8 @@ from streamkeep.storage.errors import RetainedAway, StorageUnavailable, StreamDe
 class LogReads(LogState):
     """`read` of the `StreamLog` interface (storage/base.py), for a stream on disk."""
 
+    __slots__ = ()
+
     async def read(self, start: int, max_bytes: int, *, whole_messages: bool) -> ReadResult:
         tail = self._pub_tail
         if start >= tail:

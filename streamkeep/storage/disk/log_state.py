@@ -43,11 +43,11 @@ class _NoProducers(dict[str, ProducerState]):
     records a producer gives the stream a table of its own first (`own_producers`); writing to
     this one is a bug, and fails loudly rather than reaching every stream."""
 
-    def __setitem__(self, key: str, value: ProducerState) -> None:
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("the shared empty producer table is read-only")
 
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("the shared empty producer table is read-only")
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    update = setdefault = pop = popitem = clear = _read_only
 
 
 NO_PRODUCERS: dict[str, ProducerState] = _NoProducers()
@@ -190,6 +190,26 @@ class LogState:
             lock = self._io_lock = trio.Lock()
         return lock
 
+    def release_descriptor(self) -> None:
+        """Closes the active segment's write descriptor of a stream whose actor hibernated: kept,
+        one per stream ever written, they ran into the process's descriptor limit (100,000 streams;
+        past it every append answered 503 and accept failed with EMFILE), and the next write opens
+        it again. Not while anything of the stream is queued, being written, synced or repaired,
+        nor while it holds what a relaxed fsync policy has not synced yet (the interval sync and a
+        clean stop sync through it; under fsync=never it stays open)."""
+        writer, lock = self._writer, self._io_lock  # not made just to look at them
+        if self.host.fsync == "never" or writer is None:
+            return
+        if self.pending or (lock is not None and lock.locked()) or writer.needs_repair or self.dirty:
+            # Under fsync=interval the next sync gives it back; a stream busy at this moment (its
+            # I/O lock held by retention, say) gives it back when that work ends (`exclusive`).
+            self.release_when_synced = True
+            return
+        self.release_when_synced = False
+        writer.close()
+        if writer.at_rest(self.active_segment):
+            self.drop_writer()  # the next write makes a new one, the same as this
+
     def shed(self) -> None:
         """Drops what an idle stream can make again when it is next used: the payloads of its tail
         cache (a woken stream reads its tail from the segment file, most likely still in the page
@@ -320,3 +340,9 @@ class LogState:
         if self._queue:
             # Only ever a DiskLog, which the committer takes batches from.
             self.host.committer.wake(cast("Committable", self))
+        elif self.on_publish is None and not self._committing:
+            # Background work on an idle stream (sealing it for the cold tier, the tier's
+            # description, retention) must not leave it holding what it gave back when it went
+            # idle: a sealed idle stream kept its new segment's descriptor, one per stream.
+            self.release_descriptor()
+            self.shed()

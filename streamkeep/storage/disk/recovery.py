@@ -142,7 +142,7 @@ def read_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Load
             _forget_before(fs, loaded, name, start, report)
             expected = start
         if entry is not None and file_name not in local:  # only in the bucket: its sidecar stands in
-            if start != expected:
+            if file_name != layout.segment_filename(expected):
                 raise fmt.CorruptRecord(f"cold segment {file_name} is out of order")
             segment = Segment(expected, where, entry["size"], cold_key=entry["key"], local=False)
             loaded.segments.append(segment)
@@ -190,7 +190,7 @@ def read_stream(fs: FileSystem, directory: Path, report: RecoveryReport) -> Load
             log.warning(
                 "recovery: %s: truncated torn tail of %s at byte %d (%s)", name, file_name, valid, reason
             )
-        if start != expected:  # a segment's path follows from its start (index.Segment)
+        if file_name != layout.segment_filename(expected):  # its path follows from its start (index.Segment)
             raise ValueError(f"segment {file_name} holds position {expected} under another position's name")
         segment = Segment(expected, where, records[0].end, cold_key=entry["key"] if entry else None)
         loaded.segments.append(segment)

@@ -368,7 +368,9 @@ class DiskStorage:
     def _delete_files(
         self, stream_log: DiskLog, keys: list[str]
     ) -> tuple[Path | None, files.NotDurable | None]:
-        stream_log.writer.close()
+        writer = stream_log.kept_writer
+        if writer is not None:
+            writer.close()
         return self.directory.delete_stream(stream_log.directory, keys)
 
     async def save_meta(self, name: str, meta: StreamMeta) -> None:

@@ -1,0 +1,119 @@
+"""What an idle stream's log on disk keeps (issue 26: <= 2 KiB per idle stream at 100,000 streams).
+
+A stream going idle gives back its descriptor and drops what it can make again (its I/O lock, tail
+cache and writer); background work on an idle stream (sealing it for the cold tier, retention, the
+tier's description) gives them back again when it ends; and what it made again is the same as what
+it dropped, so appends, reads and a restart see nothing of it. In process, on a real directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from streamkeep.protocol.stream import StreamMeta
+from streamkeep.storage.base import AppendRecord, ByteBudget
+from streamkeep.storage.disk.log import DiskLog
+from streamkeep.storage.disk.log_state import NO_PRODUCERS
+from streamkeep.storage.disk.storage import DiskStorage
+
+BUDGET = ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22)
+
+
+def new_meta(name: str) -> StreamMeta:
+    return StreamMeta(name=name, stream_id="0123456789ab", content_type="text/plain", created_at=0.0)
+
+
+def plain(stream_log: DiskLog, body: bytes) -> AppendRecord:
+    return AppendRecord([body], stream_log.meta, None, False, None)
+
+
+def segment_fds(data_dir: Path) -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        count += target.startswith(str(data_dir)) and target.endswith(".seg")
+    return count
+
+
+def holds_nothing_it_can_remake(stream_log: DiskLog) -> bool:
+    return stream_log.kept_writer is None and stream_log._io_lock is None and stream_log._cache is None
+
+
+async def read_back(stream_log: DiskLog) -> bytes:
+    return b"".join((await stream_log.read(0, 1 << 20, whole_messages=False)).messages)
+
+
+@pytest.mark.parametrize("fsync", ["always", "interval"])
+async def test_an_idle_log_drops_what_it_can_remake_and_makes_it_again_the_same(
+    tmp_path: Path, fsync: str
+) -> None:
+    storage = DiskStorage(tmp_path, budget=BUDGET, fsync=fsync, fsync_interval=0.05)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        stream_log = await storage.create(new_meta("s"), [b"one;"])
+        assert await stream_log.submit(plain(stream_log, b"two;")).wait() == 8
+        assert stream_log.kept_writer is not None and stream_log.kept_writer.open_fd() is not None
+        if fsync == "interval":
+            await stream_log.sync()
+        storage.idle("s")
+        assert holds_nothing_it_can_remake(stream_log)
+        assert segment_fds(tmp_path) == 0
+        # Made again at the next append: the same offsets, the same bytes.
+        assert await stream_log.submit(plain(stream_log, b"three;")).wait() == 14
+        assert await read_back(stream_log) == b"one;two;three;"
+        if fsync == "interval":
+            await stream_log.sync()
+        storage.idle("s")
+        assert holds_nothing_it_can_remake(stream_log)
+        nursery.cancel_scope.cancel()
+    again = DiskStorage(tmp_path, budget=BUDGET, fsync=fsync)
+    async with trio.open_nursery() as nursery:
+        await again.start(nursery)
+        reopened = again.open("s")
+        assert reopened is not None and await read_back(reopened) == b"one;two;three;"
+        nursery.cancel_scope.cancel()
+
+
+async def test_sealing_an_idle_stream_leaves_no_descriptor_or_lock(tmp_path: Path) -> None:
+    """The cold tier seals idle streams (--segment-max-age): the new segment's descriptor was kept,
+    one per sealed idle stream, until the stream was next written and hibernated."""
+    storage = DiskStorage(tmp_path, budget=BUDGET)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        logs = [await storage.create(new_meta(f"s{i}"), [b"x" * 10]) for i in range(5)]
+        for stream_log in logs:
+            storage.idle(stream_log.meta.name)
+            assert await stream_log.seal_idle()
+            assert len(stream_log.segments) == 2
+            assert holds_nothing_it_can_remake(stream_log)
+        assert segment_fds(tmp_path) == 0
+        # An awake stream (its actor listening) keeps what it uses.
+        awake = logs[0]
+        awake.on_publish = lambda: None
+        assert await awake.submit(plain(awake, b"y;")).wait() == 12
+        async with awake.exclusive():
+            pass
+        assert awake.kept_writer is not None and awake._io_lock is not None
+        assert await read_back(awake) == b"x" * 10 + b"y;"
+        nursery.cancel_scope.cancel()
+
+
+def test_the_shared_empty_producer_table_refuses_every_write() -> None:
+    """Streams no producer wrote to share one table: a write to it would reach all of them."""
+    for write in (
+        lambda: NO_PRODUCERS.__setitem__("p", None),  # type: ignore[arg-type]
+        lambda: NO_PRODUCERS.setdefault("p", None),  # type: ignore[arg-type]
+        lambda: NO_PRODUCERS.update(p=None),
+        lambda: NO_PRODUCERS.pop("p", None),
+        NO_PRODUCERS.clear,
+    ):
+        with pytest.raises(TypeError, match="read-only"):
+            write()
+    assert NO_PRODUCERS == {}
