@@ -4,7 +4,10 @@ temporary directory, logical decoding on, a free port), a fresh database for eac
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +15,18 @@ from ops import pgserver
 
 
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pgserver.PostgresServer]:
-    server = pgserver.create(tmp_path_factory.mktemp("postgres") / "data")
-    yield server
-    if server.running:
-        server.stop("immediate")
+def postgres() -> Iterator[pgserver.PostgresServer]:
+    # Not under pytest's temporary root: a second pytest session on the machine sets that root back
+    # to mode 0700 as it starts, and user postgres then loses its way to its own data directory
+    # (seen: `pg_ctl stop` failing with "Permission denied" at the end of a CI run).
+    root = Path(tempfile.mkdtemp(prefix="streamkeep-pg-"))
+    try:
+        server = pgserver.create(root / "data")
+        yield server
+        if server.running:
+            server.stop("immediate")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
