@@ -61,7 +61,6 @@ class DiskLog(LogReads, LogRetention):
         else:
             self._queue = [pending]
         self._latest = pending.commit
-        self.release_when_synced = False  # awake again
         storage.committer.wake(self)
         return pending.commit
 
@@ -239,8 +238,7 @@ class DiskLog(LogReads, LogRetention):
         """Its actor hibernated: nobody listens for publishes any more (the next actor says so
         again), and what an idle stream holds shrinks to what it cannot make again."""
         self.on_publish = None
-        self.release_descriptor()
-        self.shed()
+        self.give_back()
 
     async def sync(self) -> None:
         """Makes what this stream wrote durable (fsync=interval)."""
@@ -253,5 +251,3 @@ class DiskLog(LogReads, LogRetention):
             except OSError:
                 self.dirty = True
                 raise
-        if self.release_when_synced:
-            self.release_descriptor()

@@ -115,7 +115,6 @@ class LogState:
         "meta",
         "on_publish",
         "producers",
-        "release_when_synced",
         "segments",
         "snapshot_end",
     )
@@ -142,8 +141,6 @@ class LogState:
         self._writer: SegmentWriter | None = None  # made by the first to use it (`writer`)
         self._io_lock: trio.Lock | None = None  # made by the first to take it (`io_lock`)
         self.dirty = False  # written but not yet synced (fsync=interval)
-        # Its actor hibernated while it was dirty: give the descriptor back once synced.
-        self.release_when_synced = False
         self.deleted = False
         self.deleting: trio.Event | None = None  # set when a delete in progress has its outcome
         self.cold_entries: Sequence[dict] = ()  # the manifest: segments uploaded to the cold tier
@@ -201,14 +198,17 @@ class LogState:
         if self.host.fsync == "never" or writer is None:
             return
         if self.pending or (lock is not None and lock.locked()) or writer.needs_repair or self.dirty:
-            # Under fsync=interval the next sync gives it back; a stream busy at this moment (its
-            # I/O lock held by retention, say) gives it back when that work ends (`exclusive`).
-            self.release_when_synced = True
+            # Whoever is busy with it gives it back as its work ends (`exclusive`): under
+            # fsync=interval the sync of what is dirty, retention holding the I/O lock, say.
             return
-        self.release_when_synced = False
         writer.close()
         if writer.at_rest(self.active_segment):
             self.drop_writer()  # the next write makes a new one, the same as this
+
+    def give_back(self) -> None:
+        """What an idle stream holds shrinks to what it cannot make again."""
+        self.release_descriptor()
+        self.shed()
 
     def shed(self) -> None:
         """Drops what an idle stream can make again when it is next used: the payloads of its tail
@@ -344,5 +344,4 @@ class LogState:
             # Background work on an idle stream (sealing it for the cold tier, the tier's
             # description, retention) must not leave it holding what it gave back when it went
             # idle: a sealed idle stream kept its new segment's descriptor, one per stream.
-            self.release_descriptor()
-            self.shed()
+            self.give_back()
