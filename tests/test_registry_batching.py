@@ -122,7 +122,19 @@ async def test_a_refused_or_cancelled_entry_leaves_the_rest_of_its_batch() -> No
             cancel_me.cancel()
             await trio.testing.wait_all_tasks_blocked()
             keeper._lock.release()
+            keeper._end_turn()  # as a turn ends: the changes waiting for it go on
         assert keeper.appends == [2], keeper.appends  # a and b, in one append
         assert [str(error) for error in refused] == ["waited too long"]
         assert {"a", "b"} <= set(keeper.listed) and not {"refused", "given-up"} & set(keeper.listed)
         nursery.cancel_scope.cancel()
+
+
+def test_entries_go_as_split_messages_byte_for_byte() -> None:
+    """The keeper hands its entries to the append already split (AppendSpec.messages): they are
+    exactly what splitting the body would have stored, non-ASCII names included."""
+    from streamkeep.protocol import jsonmode
+    from streamkeep.registry import entries
+
+    value: dict[str, Any] = {"path": "chat/ü-1", "contentType": "text/plain", "createdAt": 1_800_000_000_000}
+    messages = [entries.insert("chat/ü-1", value), entries.delete('chat/room "2"')]
+    assert jsonmode.split_messages(jsonmode.render_array(messages), allow_empty_array=False) == messages

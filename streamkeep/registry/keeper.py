@@ -81,12 +81,14 @@ class RegistryKeeper:
         # What the registry lists, by name: what reconcile folded, plus the entries appended since.
         self.listed: dict[str, dict[str, Any]] = {}
         self.health = Health()
-        self._lock = trio.Lock()
+        self._lock = trio.Lock()  # held by a turn (`_turn`): deciding and submitting, or a reconcile
+        self._turn_ended: trio.Event | None = None  # made when a change waits for a turn to end
         self._queued: list[_Change] = []  # changes waiting for a turn of the lock (`_record`)
         self._repair = trio.Event()
         self.inserts = 0
         self.deletes = 0
         self.repairs = 0  # reconciliations that appended something
+        self.appends_made = 0  # appends made to the registry: inserts + deletes over this is the sharing
 
     # ---- start and repair ------------------------------------------------------------
 
@@ -144,31 +146,39 @@ class RegistryKeeper:
         self, wanted: Callable[[dict[str, Any]], Awaitable[dict[str, dict[str, Any]]]]
     ) -> None:
         async with self._lock:  # no entry is decided meanwhile: none can slip between fold and diff
-            stream_log = await self._open()
-            await stream_log.latest_commit().settled()  # entries in flight are on disk, or failed
-            fold = StateFold()
             try:
-                floor = forks.readable_from(self.storage, stream_log)
-                await fold_range(self.storage, stream_log, fold, floor, stream_log.published_tail, READ_CHUNK)
-            except ProtocolError as error:
-                if error.code == "not_state_message":  # only an adopted stream can hold one
-                    raise _conflict(
-                        f"it holds a message that is not a State Protocol one ({error.message})"
-                    ) from None
-                raise
-            listed = entries.listed(fold)
-            live = await wanted(listed)
-            messages = entries.changes(listed, live)
-            if messages:
-                pending = await self._submit(messages)
-                await pending.wait()
-                self.repairs += 1
-                log.info(
-                    "registry: %d entries appended to list the %d live streams",
-                    len(messages),
-                    len(live),
-                )
-            self.listed = live  # what it lists now, the difference appended
+                await self._reconcile_locked(wanted)
+            finally:
+                self._end_turn()
+
+    async def _reconcile_locked(
+        self, wanted: Callable[[dict[str, Any]], Awaitable[dict[str, dict[str, Any]]]]
+    ) -> None:
+        stream_log = await self._open()
+        await stream_log.latest_commit().settled()  # entries in flight are on disk, or failed
+        fold = StateFold()
+        try:
+            floor = forks.readable_from(self.storage, stream_log)
+            await fold_range(self.storage, stream_log, fold, floor, stream_log.published_tail, READ_CHUNK)
+        except ProtocolError as error:
+            if error.code == "not_state_message":  # only an adopted stream can hold one
+                raise _conflict(
+                    f"it holds a message that is not a State Protocol one ({error.message})"
+                ) from None
+            raise
+        listed = entries.listed(fold)
+        live = await wanted(listed)
+        messages = entries.changes(listed, live)
+        if messages:
+            pending = await self._submit(messages)
+            await pending.wait()
+            self.repairs += 1
+            log.info(
+                "registry: %d entries appended to list the %d live streams",
+                len(messages),
+                len(live),
+            )
+        self.listed = live  # what it lists now, the difference appended
 
     # ---- told by the stream actors ------------------------------------------------------
 
@@ -208,17 +218,39 @@ class RegistryKeeper:
         change = _Change(name, entry, still_due)
         self._queued.append(change)
         try:
-            async with self._lock:
-                if not change.decided:  # no earlier turn took it: this turn takes all queued
-                    await self._submit_queued()
+            while not change.decided:
+                if self._lock.locked():
+                    # A turn is on: it or the next one takes this change. Waiting for the turn to
+                    # end, not for the lock, wakes all its changes at once; the lock went from
+                    # each to the next in turn, a task switch and a release each (issue 26).
+                    if self._turn_ended is None:
+                        self._turn_ended = trio.Event()
+                    await self._turn_ended.wait()
+                    continue
+                async with self._lock:  # its checkpoint lets the creates running now queue too
+                    try:
+                        if not change.decided:  # no earlier turn took it: this turn takes all queued
+                            await self._submit_queued()
+                    finally:
+                        self._end_turn()
         except BaseException:
             if not change.decided:  # cancelled while waiting: never submitted, as before batching
                 self._queued.remove(change)
             raise
         if change.error is not None:
             raise change.error
-        if change.pending is not None:
-            await change.pending.wait()  # outside the lock: entries of later turns share a sync
+        pending = change.pending
+        if pending is not None:
+            if pending.commit.done:  # memory storage: this task already waited for its turn
+                pending.result()
+            else:
+                await pending.wait()  # outside the lock: entries of later turns share a sync
+
+    def _end_turn(self) -> None:
+        """Called by whoever holds the lock as it lets go: the changes waiting for a turn go on."""
+        ended, self._turn_ended = self._turn_ended, None
+        if ended is not None:
+            ended.set()
 
     async def _submit_queued(self) -> None:
         """Under the lock: decides each queued change against what is listed (and the changes
@@ -282,7 +314,9 @@ class RegistryKeeper:
         """Sequences one append of `messages` in the registry's actor; its commit is the caller's
         to wait for."""
         body = b"[" + b",".join(messages) + b"]"
-        return await self.supervisor.call(NAME, Append(AppendSpec(CONTENT_TYPE, body, False, None, None)))
+        self.appends_made += 1
+        spec = AppendSpec(CONTENT_TYPE, body, False, None, None, messages)  # encoded here: not parsed again
+        return await self.supervisor.call(NAME, Append(spec))
 
     def _live(self) -> dict[str, dict[str, Any]]:
         return live_streams(self.storage, self.clock())
@@ -298,6 +332,7 @@ class RegistryKeeper:
             "streams_listed": len(self.listed),
             "inserts": self.inserts,
             "deletes": self.deletes,
+            "appends": self.appends_made,
             "repairs": self.repairs,
             **self.health.stats(),
         }
