@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from streamkeep.actors.mailbox import NotNow
+from streamkeep.actors.mailbox import ActorGone, NotNow
 from streamkeep.actors.messages import HEAD, Append, Ask, Create, Read
 from streamkeep.actors.stream_ops import HANDLERS, NOW, StreamOps
 from streamkeep.actors.supervisor import Supervisor
@@ -47,6 +47,61 @@ async def test_idle_actor_hibernates_and_revives_with_its_data(
         view = await plan.log.read(0, 1024, whole_messages=False)
         assert view.messages == [b"hello"]
         assert supervisor.spawned == 2 and supervisor.active == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_woken_stream_gets_a_task_only_for_a_message_with_no_direct_form(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An append or a catch-up read to a hibernated stream is answered in the caller's task: its
+    actor comes back without a mailbox or a task (issue 26: they were most of what an append to
+    one of many idle streams cost extra). The first message that must queue makes both, and an
+    actor that never had them hibernates all the same."""
+
+    def stream_tasks() -> list[str]:
+        root = trio.lowlevel.current_root_task()
+        assert root is not None
+        found: list[str] = []
+        pending = [root]
+        while pending:
+            task = pending.pop()
+            found += [task.name] if task.name.startswith("stream-actor:") else []
+            pending += [child for nursery in task.child_nurseries for child in nursery.child_tasks]
+        return found
+
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, hibernate_after=5)
+        await supervisor.call("s", create(), must_exist=False)
+        await trio.sleep(6)
+        assert supervisor.active == 0 and stream_tasks() == []
+        assert supervisor.call_now("s", append(b"one")).commit.done
+        plan = await supervisor.call("s", Read("-1", True))
+        assert (await plan.log.read(0, 1024, whole_messages=False)).messages == [b"one"]
+        assert supervisor.active == 1 and supervisor.spawned == 2
+        assert stream_tasks() == [], "a woken stream needs no task for direct calls"
+        await trio.sleep(6)
+        assert supervisor.active == 0, "an actor without a task hibernates too"
+        with pytest.raises(NotNow):
+            supervisor.call_now("missing", append(b"x"))  # the long way answers 404
+        assert supervisor.active == 0
+        # A message with no direct form (here: a create of an existing stream) starts the task.
+        status, _ = await supervisor.call("s", create(), must_exist=False)
+        assert status == 200 and stream_tasks() == ["stream-actor:s"]
+        await trio.sleep(6)
+        assert supervisor.active == 0 and stream_tasks() == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_actor_that_hibernated_before_its_first_message_is_made_again() -> None:
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, hibernate_after=5)
+        await supervisor.call("s", create(), must_exist=False)
+        gone = supervisor.actor("s", must_exist=True)
+        assert gone.hibernate_if_idle(trio.current_time() + 1)
+        with pytest.raises(ActorGone):
+            await gone.call(HEAD)
+        view = await supervisor.call("s", HEAD)  # the supervisor makes a fresh actor
+        assert view.tail == 0 and supervisor.actor("s", must_exist=True) is not gone
         nursery.cancel_scope.cancel()
 
 

@@ -2,8 +2,13 @@
 time, and the direct calls that skip the mailbox while it is idle.
 
 Every change to a stream happens in its actor (its operations: actors/stream_ops.py), so the
-actor is the stream's only writer. The actor hibernates (its task ends) after a quiet spell with
-no live readers; the supervisor starts a fresh one on the next request.
+actor is the stream's only writer. The actor hibernates after a quiet spell with no live readers;
+the supervisor makes a fresh one on the next request.
+
+The mailbox and the task that reads it are made at the first message that needs them. A stream
+woken by requests that all have a direct form (an append to a hibernated stream, a catch-up read)
+never gets either: most of what an append to one of 100,000 idle streams cost beyond an append to
+an awake one was that task and its mailbox, made and ended again for one request (issue 26).
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ R = TypeVar("R")
 
 class ActorHost(StreamHost, Protocol):
     """What an actor needs from whoever runs it (the Supervisor): what its stream's operations
-    need, its mailbox size, and a way to leave."""
+    need, its mailbox size, a task to read its mailbox, and a way to leave."""
 
     mailbox_size: int
+
+    def start(self, actor: StreamActor) -> None: ...
 
     def forget(self, actor: StreamActor) -> None: ...
 
@@ -39,7 +46,9 @@ class StreamActor:
         self.name = name
         self.ops = StreamOps(name, supervisor)
         self._supervisor = supervisor
-        self._send, self._receive = trio.open_memory_channel[Envelope](supervisor.mailbox_size)
+        # Made, with the task that reads them, by the first message sent (`_mailbox`).
+        self._send: trio.MemorySendChannel[Envelope] | None = None
+        self._receive: trio.MemoryReceiveChannel[Envelope] | None = None
         self.live_readers = 0
         self.alive = True
         self.busy = False
@@ -49,9 +58,10 @@ class StreamActor:
     async def call(self, message: Ask[R]) -> R:
         handler = HANDLERS[type(message)]
         reply = Reply()
+        send = self._send if self._send is not None else self._mailbox()
         self._queued += 1
         try:
-            await self._send.send(Envelope(handler, message, reply))
+            await send.send(Envelope(handler, message, reply))
         except BaseException as error:
             self._queued -= 1
             if isinstance(error, (trio.ClosedResourceError, trio.BrokenResourceError)):
@@ -59,6 +69,13 @@ class StreamActor:
             raise
         answer: R = await reply.wait()
         return answer
+
+    def _mailbox(self) -> trio.MemorySendChannel[Envelope]:
+        if not self.alive:  # hibernated before its first message: the supervisor makes a new one
+            raise ActorGone
+        self._send, self._receive = trio.open_memory_channel[Envelope](self._supervisor.mailbox_size)
+        self._supervisor.start(self)
+        return self._send
 
     def call_now(self, message: Ask[R]) -> R:
         """Runs a message's handler in the caller's task when the actor is idle, or raises `NotNow`.
@@ -86,6 +103,7 @@ class StreamActor:
     async def run(self) -> None:
         # No timeout per message: the supervisor's sweep decides hibernation. A deadline per
         # message cost ~10 % of an append once 10,000 actors kept trio's deadline heap busy.
+        assert self._receive is not None, "started by its first message, which made the mailbox"
         try:
             async for envelope in self._receive:
                 self._queued -= 1
@@ -103,6 +121,7 @@ class StreamActor:
             self._receive.close()
 
     def _answer_pending(self) -> None:
+        assert self._receive is not None
         while True:
             try:
                 envelope = self._receive.receive_nowait()
@@ -135,12 +154,15 @@ class StreamActor:
             return False
         self.alive = False
         self._supervisor.forget(self)
-        self._send.close()
+        if self._send is not None:
+            self._send.close()
         self.ops.hibernated()
         return True
 
     def _can_hibernate(self) -> bool:
-        if self.live_readers or self._receive.statistics().current_buffer_used:
+        if self.live_readers or (
+            self._receive is not None and self._receive.statistics().current_buffer_used
+        ):
             return False
         return self.ops.settled()
 

@@ -12,6 +12,7 @@ from streamkeep.actors.actor import LiveReaderMark, StreamActor
 from streamkeep.actors.host import Lifecycle
 from streamkeep.actors.mailbox import ActorGone, NotNow
 from streamkeep.actors.messages import Ask
+from streamkeep.actors.stream_ops import NOW
 from streamkeep.protocol.errors import not_found
 from streamkeep.storage.base import Storage
 
@@ -57,14 +58,21 @@ class Supervisor:
         if actor is None:
             if must_exist and self.storage.open(name) is None:
                 raise not_found(name)
-            actor = StreamActor(name, self)
-            self._actors[name] = actor
-            self.spawned += 1
-            self._nursery.start_soon(actor.run, name=f"stream-actor:{name}")
-            if not self._sweeping:
-                self._sweeping = True
-                self._nursery.start_soon(self._sweep_idle, name="stream-actor-sweep")
+            actor = self._spawn(name)
         return actor
+
+    def _spawn(self, name: str) -> StreamActor:
+        actor = StreamActor(name, self)
+        self._actors[name] = actor
+        self.spawned += 1
+        if not self._sweeping:
+            self._sweeping = True
+            self._nursery.start_soon(self._sweep_idle, name="stream-actor-sweep")
+        return actor
+
+    def start(self, actor: StreamActor) -> None:
+        """Starts the task that reads the actor's mailbox (its first message made it)."""
+        self._nursery.start_soon(actor.run, name=f"stream-actor:{actor.name}")
 
     async def _sweep_idle(self) -> None:
         """Hibernates actors idle for `hibernate_after`: one task for all of them, running only
@@ -82,11 +90,15 @@ class Supervisor:
             self._sweeping = False
 
     def call_now(self, name: str, message: Ask[R]) -> R:
-        """Runs the message's handler in the caller's task if the stream's actor is awake and idle
-        (see StreamActor.call_now), else raises NotNow and nothing happened."""
+        """Runs the message's handler in the caller's task if the stream's actor is idle (see
+        StreamActor.call_now), else raises NotNow and nothing happened. A hibernated stream gets
+        its actor back without a task: the message has a direct form, so none is needed yet."""
         actor = self._actors.get(name)
         if actor is None:
-            raise NotNow
+            # No stored stream: the long way answers 404 (or creates), as it always did.
+            if type(message) not in NOW or self.storage.open(name) is None:
+                raise NotNow
+            actor = self._spawn(name)
         return actor.call_now(message)
 
     async def call(self, name: str, message: Ask[R], *, must_exist: bool = True) -> R:
