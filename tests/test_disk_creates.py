@@ -116,6 +116,25 @@ async def test_concurrent_creates_share_rounds_and_the_streams_directory_sync() 
     storage.close()
 
 
+async def test_a_create_whose_caller_is_cancelled_ends_all_the_same() -> None:
+    """A create already queued is waited for through a cancel (creates.py `PendingCreate.wait`):
+    the stream made on disk is known to the storage, and the cancel comes at the next checkpoint."""
+    fs = Counting()
+    storage = storage_on(fs)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        made: list[Any] = []
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            made.append(await storage.create(new_meta("c"), [b"c;"]))
+            await trio.lowlevel.checkpoint()
+            made.append("not cancelled")
+        assert made == [storage.open("c")] and made[0] is not None
+        assert storage.creates.created == 1
+        nursery.cancel_scope.cancel()
+    storage.close()
+
+
 async def test_one_failing_create_fails_only_itself() -> None:
     fs = Counting(fail_marker=b"bad-one")
     storage = storage_on(fs)
