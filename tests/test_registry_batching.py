@@ -138,3 +138,32 @@ def test_entries_go_as_split_messages_byte_for_byte() -> None:
     value: dict[str, Any] = {"path": "chat/ü-1", "contentType": "text/plain", "createdAt": 1_800_000_000_000}
     messages = [entries.insert("chat/ü-1", value), entries.delete('chat/room "2"')]
     assert jsonmode.split_messages(jsonmode.render_array(messages), allow_empty_array=False) == messages
+
+
+def test_an_insert_written_out_is_what_json_dumps_makes() -> None:
+    """entries.insert writes an entry of `value`'s shape out by hand: the same bytes as the general
+    encoding, whatever the name; any other shape takes the general one."""
+    import random
+
+    from streamkeep.registry import entries
+
+    def general(name: str, entry: dict[str, Any]) -> bytes:
+        return entries._encode(
+            {"type": "stream", "key": name, "value": entry, "headers": {"operation": "insert"}}
+        )
+
+    rnd = random.Random(26)
+    alphabet = ["a", "/", '"', "\\", "\n", "\x00", "\x1f", "\x7f", "é", "€", "😀", "\u2028", " ", "<", "&"]
+    for _ in range(2000):
+        name = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 10)))
+        entry = {
+            "path": name,
+            "contentType": rnd.choice(["text/plain", 'a"b', "ü"]),
+            "createdAt": rnd.randint(0, 2**45),
+        }
+        assert entries.insert(name, entry) == general(name, entry)
+    for odd in (
+        {"path": "a", "contentType": "x", "createdAt": True},
+        {"contentType": "x", "path": "a", "createdAt": 1},
+    ):
+        assert entries.insert("a", odd) == general("a", odd)
