@@ -26,6 +26,7 @@ CLUSTER_PREFIX = "/_cluster/"
 MAX_NAME_BYTES = 1024
 MAX_SEGMENT_BYTES = 255
 _BROKEN_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f\\]")  # control characters and the backslash
 
 
 # Paths seen recently and their names: every request parses its path, and a stream's requests
@@ -63,22 +64,26 @@ def _parse_stream_name(raw_path: str) -> str:
 def check_stream_name(name: str) -> None:
     if not name:
         raise bad_request("invalid_stream_name", "stream name is empty")
-    if len(name.encode()) > MAX_NAME_BYTES:
+    size = len(name) if name.isascii() else len(name.encode())
+    if size > MAX_NAME_BYTES:
         raise bad_request("invalid_stream_name", f"stream name is longer than {MAX_NAME_BYTES} bytes")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F or c == "\\" for c in name):
+    if _FORBIDDEN.search(name):
         raise bad_request("invalid_stream_name", "stream name contains a control character or backslash")
-    segments = name.split("/")
-    for segment in segments:
-        if segment in ("", ".", ".."):
-            raise bad_request(
-                "invalid_stream_name",
-                "stream name has an empty, '.' or '..' segment; use names like 'a/b/c'",
-            )
-        if len(segment.encode()) > MAX_SEGMENT_BYTES:
-            raise bad_request(
-                "invalid_stream_name", f"a stream name segment is longer than {MAX_SEGMENT_BYTES} bytes"
-            )
-    if segments[0] == RESERVED_SEGMENT:
+    # A name that is short, has no dot and no empty segment needs no look at each segment: every
+    # create's name is new, so not in `_PARSED`, and the loop below cost it ~1.5 us (issue 26).
+    if size > MAX_SEGMENT_BYTES or "." in name or "//" in name or name[0] == "/" or name[-1] == "/":
+        for segment in name.split("/"):
+            if segment in ("", ".", ".."):
+                raise bad_request(
+                    "invalid_stream_name",
+                    "stream name has an empty, '.' or '..' segment; use names like 'a/b/c'",
+                )
+            if len(segment.encode()) > MAX_SEGMENT_BYTES:
+                raise bad_request(
+                    "invalid_stream_name",
+                    f"a stream name segment is longer than {MAX_SEGMENT_BYTES} bytes",
+                )
+    if name.partition("/")[0] == RESERVED_SEGMENT:
         raise ProtocolError(
             404, "reserved_path", f"paths under {STREAM_PREFIX}{RESERVED_SEGMENT}/ are reserved"
         )

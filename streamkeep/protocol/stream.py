@@ -7,7 +7,7 @@ the plan durably through storage, then applies it with `apply_append`. Nothing h
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 from streamkeep.protocol import headers as h
@@ -133,6 +133,14 @@ class ForkSource:
     incarnations: tuple[int, ...] = ()
 
 
+def _initial_messages(body: bytes, content_type: str) -> list[bytes]:
+    if not body:
+        return []
+    if h.is_json(content_type):
+        return jsonmode.split_messages(body, allow_empty_array=True)
+    return [body]
+
+
 @dataclass(frozen=True)
 class CreateSpec:
     content_type: str
@@ -153,18 +161,14 @@ class CreateSpec:
             raise bad_request("ttl_and_expires_at", "send Stream-TTL or Stream-Expires-At, not both")
         fork = ForkSpec.from_headers(headers)
         given = bool((headers.get("content-type") or "").strip())
-        spec = cls(content_type, ttl, expires, h.closed_flag(headers), [], body, given, fork)
-        if fork is None:
-            return replace(spec, messages=spec.split(content_type))
-        return spec
+        # A fork's messages are split once its source's content type is known (`split`); made
+        # here rather than by `replace` afterwards, which cost each create ~2.5 us (issue 26).
+        messages = [] if fork is not None else _initial_messages(body, content_type)
+        return cls(content_type, ttl, expires, h.closed_flag(headers), messages, body, given, fork)
 
     def split(self, content_type: str) -> list[bytes]:
         """The initial messages of the body, for a stream of this content type."""
-        if not self.body:
-            return []
-        if h.is_json(content_type):
-            return jsonmode.split_messages(self.body, allow_empty_array=True)
-        return [self.body]
+        return _initial_messages(self.body, content_type)
 
     def new_meta(self, name: str, stream_id: str, now: float) -> StreamMeta:
         return StreamMeta(
