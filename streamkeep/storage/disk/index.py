@@ -8,6 +8,7 @@ bisecting the entries' starts. Pure bookkeeping: no I/O.
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,6 +39,12 @@ class Segment:
     @property
     def path(self) -> Path:
         return Path(self.directory, layout.segment_filename(self.start))
+
+    @property
+    def file(self) -> str:
+        """`path` as a string, for the writer's opens: a tenth of the cost of a `Path` (0.2 against
+        2.2 µs), paid in a commit round's worker thread, with the GIL, once per woken stream."""
+        return self.directory + os.sep + layout.segment_filename(self.start)
 
 
 @dataclass(slots=True, eq=False)

@@ -166,7 +166,7 @@ class SegmentWriter:
             for part in plan.parts:
                 if part.new:
                     fs.fdatasync(fd)  # seal the segment we leave: whole on disk before anything follows it
-                    fd = fs.open(part.segment.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    fd = fs.open(part.segment.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                     opened.append((part.segment, fd))
                     files.pwrite_all(fs, fd, part.data, 0)
                     fs.fsync(fd)
@@ -241,7 +241,7 @@ class SegmentWriter:
         if later or self.unlink_unsynced:
             files.fsync_dir(fs, self.directory)
             self.unlink_unsynced = False
-        fd = fs.open(active.path, os.O_RDWR)
+        fd = fs.open(active.file, os.O_RDWR)
         try:
             size = fs.fsize(fd)
             if size < active.size:
@@ -305,7 +305,7 @@ class SegmentWriter:
         if self.needs_repair:
             self.repair(active)
         fs.fdatasync(self._active_fd(active))
-        fd = fs.open(new.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = fs.open(new.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             files.pwrite_all(fs, fd, header, 0)
             fs.fsync(fd)
@@ -323,7 +323,7 @@ class SegmentWriter:
 
     def _active_fd(self, active: Segment) -> int:
         if self._fd is None:
-            self._fd = self.fs.open(active.path, os.O_WRONLY)
+            self._fd = self.fs.open(active.file, os.O_WRONLY)
         return self._fd
 
     def open_fd(self) -> int | None:
