@@ -3,7 +3,8 @@
     store.py        the bucket: ObjectStore (what the tier needs), S3Store (boto3), ColdConfig
     archiver.py     Archiver, the disk backend's ColdTier: uploads, cold reads, object deletes,
                     sealing idle segments
-    bookkeeping.py  an upload's steps on a DiskLog, under its I/O lock: open, record, drop the copy
+    bookkeeping.py  an upload's steps on a DiskLog, under its I/O lock: read (the descriptor is
+                    closed before the upload), record, drop the copy
     describe.py     what the bucket holds beside the segments for `streamkeep restore --from-bucket`:
                     each stream's description and each segment's index sidecar, under PREFIX/meta/
     migrate.py      upgrades a data directory and its bucket to the current format (format 1 -> 2

@@ -1,9 +1,10 @@
 """The archiver: moves sealed segments to the bucket, serves cold reads, deletes dead objects.
 
-Rotation has one source of truth, each stream's manifest (`cold.cbor`): a sealed segment is
-uploaded from a descriptor opened under the stream's I/O lock (so a delete or re-create cannot
-swap the file underneath), verified with HEAD (size and the SHA-256 stored as object metadata),
-recorded in the manifest after its index sidecar, and only then is the local copy deleted. A crash
+Rotation has one source of truth, each stream's manifest (`cold.cbor`): a sealed segment is read
+whole from a descriptor opened under the stream's I/O lock (so a delete or re-create cannot swap
+the file underneath) and closed before the upload (no descriptor waits on the bucket), uploaded,
+verified with HEAD (size and the SHA-256 stored as object metadata), recorded in the manifest
+after its index sidecar, and only then is the local copy deleted. A crash
 before the manifest write re-uploads the same key; after it, recovery finds the manifest entry.
 The sidecar goes to the bucket too, and each stream's description (describe.py) whenever it
 changes, so the bucket alone can rebuild the data directory (`streamkeep restore --from-bucket`).
@@ -17,6 +18,7 @@ backoff per stream, logged once per cause, and counted for /stats. Sealed bytes 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -32,8 +34,8 @@ from streamkeep.segments.floor import FLOOR_FILE
 from streamkeep.segments.manifest import encode_index
 from streamkeep.storage import files
 from streamkeep.storage.cold import describe
-from streamkeep.storage.cold.bookkeeping import drop_local, open_sealed, record_upload
-from streamkeep.storage.cold.store import ColdConfig, FdReader, ObjectStore, digest, put_bytes, read_whole
+from streamkeep.storage.cold.bookkeeping import drop_local, read_sealed, record_upload
+from streamkeep.storage.cold.store import ColdConfig, ObjectStore, UploadBody, put_bytes
 from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log import DiskLog
 from streamkeep.storage.disk.meta import encode_meta
@@ -220,27 +222,26 @@ class Archiver:
                 self._retry_at.pop(name, None)
 
     async def archive(self, stream_log: DiskLog, segment: Segment) -> None:
-        fs = self.storage.fs
-        fd = await open_sealed(stream_log, segment)
-        if fd is None:
+        # Read whole and closed before anything goes to the bucket: a descriptor held through
+        # boto3's waits (a frozen bucket: 30 s a try, then retries) would pin a deleted stream's blocks.
+        data = await read_sealed(stream_log, segment)
+        if data is None:
             return
+        size = len(data)
         stream_dir, stream_id = stream_log.directory.name, stream_log.meta.stream_id
         key = self.config.key(stream_dir, stream_id, segment.path.name)
         index_key = describe.index_object_key(self.config.prefix, stream_dir, stream_id, segment.path.name)
         try:
-            size, sha256 = await self.io(digest, fs, fd)
-            reader = FdReader(fs, fd, size, wanted=lambda: not stream_log.deleted)
-            await self.io(self.store.upload, reader, key, size, sha256)
+            sha256, index = await self.io(_digest_and_index, data, segment.path.name)
+            body = UploadBody(data, wanted=lambda: not stream_log.deleted)
+            await self.io(self.store.upload, body, key, size, sha256)
             # Its sidecar, kept locally as well: the bucket alone then holds what recovery reads.
-            index = await self.io(_index_of, fs, fd, size, segment.path.name)
             await self.io(put_bytes, self.store, index_key, index)
         except Exception:
             if not stream_log.deleted:
                 raise
             self.forget(None, [key])  # deleted meanwhile: whatever reached the bucket is an orphan
             return
-        finally:
-            fs.close(fd)
         entry = {
             "file": segment.path.name,
             "start": segment.start,
@@ -350,8 +351,9 @@ class Archiver:
         }
 
 
-def _index_of(fs: FileSystem, fd: int, size: int, name: str) -> bytes:
-    return encode_index(read_whole(fs, fd, size), name)
+def _digest_and_index(data: bytes, name: str) -> tuple[str, bytes]:
+    """A sealed segment's SHA-256 (hex) and its index sidecar."""
+    return hashlib.sha256(data).hexdigest(), encode_index(data, name)
 
 
 def _read_if_there(fs: FileSystem, path: Path) -> bytes | None:

@@ -1,5 +1,5 @@
 """The cold tier's bookkeeping on a stream's disk log, each step under its I/O lock: a sealed
-segment opened for upload, the verified upload recorded in the manifest (index sidecar first),
+segment read for upload, the verified upload recorded in the manifest (index sidecar first),
 the local copy dropped. The archiver (archiver.py) calls these; the disk log itself knows only
 the manifest entries they leave (`DiskLog.cold_entries`), which its deletes and retention use."""
 
@@ -10,19 +10,30 @@ from pathlib import Path
 
 from streamkeep.segments.manifest import INDEX_SUFFIX
 from streamkeep.storage import files
+from streamkeep.storage.cold.store import read_whole
 from streamkeep.storage.disk import manifest
 from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log import DiskLog
 from streamkeep.storage.files import FileSystem
 
 
-async def open_sealed(stream_log: DiskLog, segment: Segment) -> int | None:
-    """A descriptor of a sealed segment for the archiver to upload from, or None if the stream
-    is gone. It stays valid whatever happens to the stream meanwhile."""
-    async with stream_log.exclusive():
-        if stream_log.deleted or not segment.local or segment.retained_away:
-            return None
-        return await stream_log.host.run_io(stream_log.host.fs.open, segment.path, os.O_RDONLY)
+async def read_sealed(stream_log: DiskLog, segment: Segment) -> bytes | None:
+    """A sealed segment's bytes for the archiver to upload, or None if the stream is gone. The file
+    is opened under the stream's I/O lock (so a delete or re-create cannot swap it underneath),
+    read whole and closed at once: no descriptor is held while the bytes travel to the bucket,
+    where boto3 can wait minutes (timeouts, retries) and a deleted stream's blocks would stay
+    pinned meanwhile."""
+    host = stream_log.host
+    fd: int | None = None
+    try:
+        async with stream_log.exclusive():
+            if stream_log.deleted or not segment.local or segment.retained_away:
+                return None
+            fd = await host.run_io(host.fs.open, segment.path, os.O_RDONLY)
+        return await host.run_io(_read_whole, host.fs, fd)
+    finally:
+        if fd is not None:
+            host.fs.close(fd)
 
 
 async def record_upload(
@@ -50,6 +61,10 @@ async def drop_local(stream_log: DiskLog, segment: Segment) -> None:
             return
         segment.local = False
         await stream_log.host.run_io(files.unlink_quietly, stream_log.host.fs, segment.path)
+
+
+def _read_whole(fs: FileSystem, fd: int) -> bytes:
+    return read_whole(fs, fd, fs.fsize(fd))
 
 
 def _record_upload(

@@ -201,15 +201,14 @@ class UploadAbandoned(Exception):
     """An upload stopped because nobody wants the object any more (its stream was deleted)."""
 
 
-class FdReader(io.RawIOBase):
-    """A seekable reader over a descriptor of our FileSystem (boto3 reads uploads through it), so
-    an upload reads the inode the archiver opened, whatever happens to its path meanwhile."""
+class UploadBody(io.RawIOBase):
+    """A sealed segment's bytes as the seekable reader boto3 uploads from. The archiver reads the
+    segment whole and closes its file before the upload, so nothing here holds a descriptor."""
 
-    def __init__(self, fs: FileSystem, fd: int, size: int, wanted: Callable[[], bool] = lambda: True) -> None:
-        self._fs, self._fd, self._size, self._at = fs, fd, size, 0
-        # Asked before every read: an upload whose stream was deleted stops at its next read (or
-        # at boto3's next retry, which reads the body again), and gives its descriptor back,
-        # rather than holding a deleted file's blocks through every retry and timeout.
+    def __init__(self, data: bytes, wanted: Callable[[], bool] = lambda: True) -> None:
+        self._data, self._at = memoryview(data), 0
+        # Asked before every read: an upload whose stream was deleted stops at its next read (boto3
+        # reads the body at the start of each attempt) instead of sending bytes nobody wants.
         self._wanted = wanted
 
     def readable(self) -> bool:
@@ -222,34 +221,17 @@ class FdReader(io.RawIOBase):
         return self._at
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}[whence]
         self._at = max(0, base + offset)
         return self._at
 
     def readinto(self, buffer: Any) -> int:
         if not self._wanted():
             raise UploadAbandoned("the stream was deleted during its upload")
-        want = min(len(buffer), self._size - self._at)
-        if want <= 0:
-            return 0
-        data = self._fs.pread(self._fd, want, self._at)
-        buffer[: len(data)] = data
-        self._at += len(data)
-        return len(data)
-
-
-def digest(fs: FileSystem, fd: int) -> tuple[int, str]:
-    """(size, hex SHA-256) of a file, read through its descriptor."""
-    size = fs.fsize(fd)
-    sha = hashlib.sha256()
-    at = 0
-    while at < size:
-        block = fs.pread(fd, min(1 << 20, size - at), at)
-        if not block:
-            raise OSError(f"file shrank while hashing it ({at} of {size} bytes)")
-        sha.update(block)
-        at += len(block)
-    return size, sha.hexdigest()
+        chunk = self._data[self._at : self._at + len(buffer)]
+        buffer[: len(chunk)] = chunk
+        self._at += len(chunk)
+        return len(chunk)
 
 
 def read_whole(fs: FileSystem, fd: int, size: int) -> bytes:
