@@ -146,7 +146,7 @@ class Rule:
 # StreamActor's mailbox and the inline path that skips it (the handlers are planning).
 _MAILBOX = (
     "StreamActor.call", "StreamActor.call_now", "StreamActor.run", "StreamActor._handle",
-    "StreamActor._answer_pending",
+    "StreamActor._answer_pending", "StreamActor._mailbox",
 )  # fmt: skip
 
 # First match wins for each frame, so a file that holds several components lists its functions

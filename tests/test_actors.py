@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import trio
@@ -103,6 +106,53 @@ async def test_an_actor_that_hibernated_before_its_first_message_is_made_again()
         view = await supervisor.call("s", HEAD)  # the supervisor makes a fresh actor
         assert view.tail == 0 and supervisor.actor("s", must_exist=True) is not gone
         nursery.cancel_scope.cancel()
+
+
+SHIELDED_CALL_AT_SHUTDOWN = """
+import trio
+from streamkeep.actors.supervisor import Supervisor
+from streamkeep.protocol.errors import ProtocolError
+from streamkeep.storage.memory import MemoryStorage
+from tests.test_actors import create
+
+async def main() -> None:
+    answers = []
+    with trio.CancelScope() as server:
+        async with trio.open_nursery() as nursery:
+            supervisor = Supervisor(MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 22), nursery)
+            await supervisor.call("s", create(), must_exist=False)
+
+            async def must_finish() -> None:  # as a fork's detach from its source does
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(0.05)  # the actor's task has ended by now
+                    try:
+                        answers.append(await supervisor.call("s", create()))
+                    except ProtocolError as error:
+                        answers.append(error.code)
+
+            nursery.start_soon(must_finish)
+            await trio.sleep(0.01)
+            server.cancel()
+    print(answers)
+
+trio.run(main)
+"""
+
+
+def test_a_caller_that_must_finish_is_answered_after_the_actors_task_ended() -> None:
+    """The server stops: an actor's task ends while the actor is still in the supervisor's table.
+    A shielded caller that sends to it then must hear "stopping", not "gone" (which sent it back
+    to the same actor forever: the event loop spun and the process never exited)."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", SHIELDED_CALL_AT_SHUTDOWN],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['shutting_down']"
 
 
 async def test_live_reader_keeps_actor_awake(autojump_clock: trio.testing.MockClock) -> None:

@@ -64,8 +64,12 @@ class StreamActor:
             await send.send(Envelope(handler, message, reply))
         except BaseException as error:
             self._queued -= 1
-            if isinstance(error, (trio.ClosedResourceError, trio.BrokenResourceError)):
+            if isinstance(error, trio.ClosedResourceError):  # it hibernated: a new actor takes it
                 raise ActorGone from None
+            if isinstance(error, trio.BrokenResourceError):
+                # Its task ended (the server stops) and it stays in the table: "gone" would make
+                # a shielded caller (a fork's detach) ask this same actor again, forever.
+                raise _stopping(self.name) from None
             raise
         answer: R = await reply.wait()
         return answer
@@ -73,9 +77,12 @@ class StreamActor:
     def _mailbox(self) -> trio.MemorySendChannel[Envelope]:
         if not self.alive:  # hibernated before its first message: the supervisor makes a new one
             raise ActorGone
-        self._send, self._receive = trio.open_memory_channel[Envelope](self._supervisor.mailbox_size)
+        send, receive = trio.open_memory_channel[Envelope](self._supervisor.mailbox_size)
+        # The task first runs after this returns; if it cannot start (its nursery closed), the
+        # actor keeps no mailbox that nobody would read.
         self._supervisor.start(self)
-        return self._send
+        self._send, self._receive = send, receive
+        return send
 
     def call_now(self, message: Ask[R]) -> R:
         """Runs a message's handler in the caller's task when the actor is idle, or raises `NotNow`.

@@ -62,12 +62,12 @@ class Supervisor:
         return actor
 
     def _spawn(self, name: str) -> StreamActor:
+        if not self._sweeping:
+            self._nursery.start_soon(self._sweep_idle, name="stream-actor-sweep")
+            self._sweeping = True  # only once it started: else no sweep would ever run again
         actor = StreamActor(name, self)
         self._actors[name] = actor
         self.spawned += 1
-        if not self._sweeping:
-            self._sweeping = True
-            self._nursery.start_soon(self._sweep_idle, name="stream-actor-sweep")
         return actor
 
     def start(self, actor: StreamActor) -> None:
