@@ -417,10 +417,11 @@ async def test_a_cold_read_of_a_stream_deleted_meanwhile_is_a_delete_not_a_bucke
 
 
 async def test_an_upload_gives_back_a_deleted_streams_descriptor_at_its_next_retry() -> None:
-    """An upload holds a descriptor of its segment; when the stream is deleted meanwhile, boto3's
-    retries and timeouts (minutes against a frozen bucket) kept the deleted file's blocks pinned
-    (the black box's fd-leak finding, seed 12 interval/ext4). The reader now refuses once its
-    stream is deleted, so the next retry ends the upload and the descriptor is closed."""
+    """An upload whose stream is deleted meanwhile must not keep the deleted file's blocks pinned
+    through boto3's retries and timeouts (minutes against a frozen bucket; the black box's fd-leak
+    finding, seeds 12 and 85 interval/ext4). The archiver reads the segment whole and closes its
+    descriptor before uploading, and the body refuses reads once its stream is deleted, so the
+    next retry ends the upload."""
     import threading
 
     from ops.torture.sim import SimStore
