@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from streamkeep.actors.expiry import SWEEP_SLICE, sweep_expired
 from streamkeep.actors.mailbox import ActorGone, NotNow
 from streamkeep.actors.messages import HEAD, Append, Ask, Create, Read
 from streamkeep.actors.stream_ops import HANDLERS, NOW, StreamOps
@@ -282,3 +284,49 @@ async def test_a_caller_that_must_finish_is_answered_when_the_actor_stops(
             await trio.testing.wait_all_tasks_blocked()
             outer.cancel()
     assert sorted(map(str, answers)) == ["shutting_down", "shutting_down"]
+
+
+async def test_the_ttl_sweep_lets_other_tasks_run_while_it_looks_at_many_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass over every stream is sliced: at 100,000 streams one pass held the event loop ~30 ms,
+    a stall for every request in flight. Another task runs between slices, and the sweep still
+    removes the one expired stream among them."""
+    storage = MemoryStorage(max_stream_bytes=1 << 20, max_total_bytes=1 << 26)
+    streams = 3 * SWEEP_SLICE + 10
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(storage, nursery)
+        for number in range(streams):
+            await supervisor.call(f"s{number}", create(), must_exist=False)
+        expiring = Create(
+            CreateSpec.from_request(Headers([("Content-Type", "text/plain"), ("Stream-TTL", "1")]), b"")
+        )
+        await supervisor.call("short-lived", expiring, must_exist=False)
+        short_lived = storage.open("short-lived")
+        assert short_lived is not None
+        short_lived.meta.last_access -= 5
+        looked = 0
+        original_open = storage.open
+
+        def counting_open(name: str) -> object:
+            nonlocal looked
+            looked += 1
+            return original_open(name)
+
+        monkeypatch.setattr(storage, "open", counting_open)
+        seen_between: list[int] = []
+
+        async def other_request() -> None:
+            while looked < streams:
+                seen_between.append(looked)
+                await trio.lowlevel.checkpoint()
+
+        nursery.start_soon(sweep_expired, supervisor, 0.01)
+        with trio.fail_after(10):
+            await other_request()
+            while storage.open("short-lived") is not None:
+                await trio.sleep(0.01)
+        assert any(0 < count < streams for count in seen_between), "the pass never let another task run"
+        # trio runs each ready task once a batch, in random order: two slices may meet across batches.
+        assert max(b - a for a, b in itertools.pairwise(seen_between)) <= 2 * SWEEP_SLICE + 1
+        nursery.cancel_scope.cancel()

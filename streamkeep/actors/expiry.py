@@ -15,6 +15,10 @@ from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.errors import ProtocolError
 
 SWEEP_INTERVAL = 10.0
+# Streams looked at between two checkpoints. A pass over 100,000 streams without one held the event
+# loop ~30 ms every SWEEP_INTERVAL (a stall for every request in flight, growing with the streams);
+# a slice of this size takes ~0.3 ms.
+SWEEP_SLICE = 1000
 
 
 async def sweep_expired(supervisor: Supervisor, interval: float = SWEEP_INTERVAL) -> None:
@@ -22,14 +26,16 @@ async def sweep_expired(supervisor: Supervisor, interval: float = SWEEP_INTERVAL
     while True:
         await trio.sleep(interval)
         now = time.time()
-        for name in supervisor.storage.names():
-            stream_log = supervisor.storage.open(name)
+        for seen, name in enumerate(supervisor.storage.names(), 1):
+            stream_log = supervisor.storage.open(name)  # None if deleted since the list was made
             if stream_log is not None and stream_log.meta.expired(now):
                 try:
                     await supervisor.call(name, HEAD)
                 except ProtocolError:
                     pass
                 await trio.lowlevel.checkpoint()  # a call may not yield (Supervisor.call)
+            elif seen % SWEEP_SLICE == 0:
+                await trio.lowlevel.checkpoint()
 
 
-__all__ = ["SWEEP_INTERVAL", "sweep_expired"]
+__all__ = ["SWEEP_INTERVAL", "SWEEP_SLICE", "sweep_expired"]
