@@ -12,10 +12,12 @@ import pytest
 import trio
 import trio.testing
 
+from streamkeep.actors.actor import StreamActor
 from streamkeep.actors.expiry import SWEEP_SLICE, sweep_expired
 from streamkeep.actors.mailbox import ActorGone, NotNow
 from streamkeep.actors.messages import HEAD, Append, Ask, Create, Read
 from streamkeep.actors.stream_ops import HANDLERS, NOW, StreamOps
+from streamkeep.actors.supervisor import SWEEP_SLICE as SUPERVISOR_SWEEP_SLICE
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.protocol.errors import ProtocolError
 from streamkeep.protocol.model import Headers
@@ -329,4 +331,45 @@ async def test_the_ttl_sweep_lets_other_tasks_run_while_it_looks_at_many_streams
         assert any(0 < count < streams for count in seen_between), "the pass never let another task run"
         # trio runs each ready task once a batch, in random order: two slices may meet across batches.
         assert max(b - a for a, b in itertools.pairwise(seen_between)) <= 2 * SWEEP_SLICE + 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_hibernation_sweep_lets_other_tasks_run_while_many_actors_go_to_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thousands of actors going idle together are put to sleep in slices, with other tasks running
+    between them, and an actor that ended while the sweep yielded is not put to sleep twice."""
+    streams = 3 * SUPERVISOR_SWEEP_SLICE + 10
+    armed = False
+    seen_awake: list[int] = []
+    original = StreamActor.hibernate_if_idle
+
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, hibernate_after=0.2)
+
+        async def other_request() -> None:
+            while supervisor.active:
+                seen_awake.append(supervisor.active)
+                await trio.lowlevel.checkpoint()
+
+        def hibernate_when_armed(actor: StreamActor, idle_since: float) -> bool:
+            if not armed:
+                return False
+            if not seen_awake:
+                seen_awake.append(supervisor.active)
+                nursery.start_soon(other_request)
+            return original(actor, idle_since)
+
+        monkeypatch.setattr(StreamActor, "hibernate_if_idle", hibernate_when_armed)
+        for number in range(streams):
+            await supervisor.call(f"s{number}", create(), must_exist=False)
+        assert supervisor.active == streams
+        woken_again = supervisor.actor("s0", must_exist=True)
+        await trio.sleep(0.3)
+        armed = True
+        with trio.fail_after(10):
+            while supervisor.active:
+                await trio.sleep(0.01)
+        assert any(0 < count < streams for count in seen_awake), "the sweep never let another task run"
+        assert not woken_again.alive and supervisor.spawned == streams
         nursery.cancel_scope.cancel()

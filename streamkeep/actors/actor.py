@@ -156,8 +156,15 @@ class StreamActor:
         """Ends the actor if it has been idle since `idle_since` and nothing needs it; the
         supervisor's sweep calls it. No checkpoint between the check and closing the mailbox, so
         no message can slip into a mailbox that nobody will read."""
-        # `_queued` too: a message handed straight to a waiting actor is in no buffer yet.
-        if self.busy or self._queued or self.last_active > idle_since or not self._can_hibernate():
+        # `_queued` too: a message handed straight to a waiting actor is in no buffer yet. Never one
+        # that already ended (the sweep yields between slices): its stream may have a new actor.
+        if (
+            not self.alive
+            or self.busy
+            or self._queued
+            or self.last_active > idle_since
+            or not self._can_hibernate()
+        ):
             return False
         self.alive = False
         self._supervisor.forget(self)
