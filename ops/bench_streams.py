@@ -22,12 +22,13 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -55,6 +56,8 @@ class Phase:
     seconds: float
     user_seconds: float
     sys_seconds: float
+    # the failed ones by h2load's status classes; "unanswered": no status (a connection error)
+    failures: dict[str, int] = field(default_factory=dict)
 
     @property
     def cpu_seconds(self) -> float:
@@ -88,6 +91,7 @@ class Report:
     append_all_cpu_us: float
     append_hot_cpu_us: float
     append_failures: int
+    append_failure_classes: dict[str, int]
     ratio: float
     load: str
 
@@ -151,7 +155,26 @@ def run_slices(
     user_after, sys_after = cpu_split(server.process.pid)
     counts = [h2load.parse(out) for out in outputs]
     ok, failed = sum(c.ok for c in counts), sum(c.failed for c in counts)
-    return Phase(ok, failed, seconds, user_after - user_before, sys_after - sys_before)
+    return Phase(
+        ok,
+        failed,
+        seconds,
+        user_after - user_before,
+        sys_after - sys_before,
+        failure_classes(outputs, failed),
+    )
+
+
+def failure_classes(outputs: list[str], failed: int) -> dict[str, int]:
+    """What the failed requests were answered, so a failure in a report says where to look."""
+    classes = {"3xx": 0, "4xx": 0, "5xx": 0}
+    for out in outputs:
+        codes = re.search(r"status codes: \d+ 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
+        if codes is not None:
+            for name, count in zip(classes, codes.groups(), strict=True):
+                classes[name] += int(count)
+    classes["unanswered"] = failed - sum(classes.values())
+    return {name: count for name, count in classes.items() if count}
 
 
 def split(paths: list[str], parts: int) -> list[list[str]]:
@@ -244,6 +267,11 @@ def bench(args: argparse.Namespace) -> Report:
         append_all_cpu_us=all_streams.cpu_seconds / max(all_streams.ok, 1) * 1e6,
         append_hot_cpu_us=hot_streams.cpu_seconds / max(hot_streams.ok, 1) * 1e6,
         append_failures=all_streams.failed + hot_streams.failed,
+        append_failure_classes={
+            f"{phase} {name}": count
+            for phase, counts in (("all", all_streams.failures), ("hot", hot_streams.failures))
+            for name, count in counts.items()
+        },
         ratio=all_streams.per_second / hot_streams.per_second if hot_streams.per_second else 0.0,
         load=load_average(),
     )
@@ -290,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     print(
         f"| {report.appends_all_per_s:,.0f}/s | {report.appends_hot_per_s:,.0f}/s | {report.ratio:.2f} "
-        f"| {report.append_all_cpu_us:,.0f} / {report.append_hot_cpu_us:,.0f} us | {report.append_failures} |"
+        f"| {report.append_all_cpu_us:,.0f} / {report.append_hot_cpu_us:,.0f} us "
+        f"| {report.append_failures} {report.append_failure_classes or ''} |"
     )
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")

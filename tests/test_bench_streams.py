@@ -61,3 +61,12 @@ def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path) -> Non
     assert 0 < report["hibernate_wait_s"] < 60
     assert report["appends_all_per_s"] / report["appends_hot_per_s"] == pytest.approx(report["ratio"])
     assert "| appends over 120 streams |" in done.stdout
+
+
+def test_failed_appends_are_reported_by_what_answered_them() -> None:
+    from ops.bench_streams import failure_classes
+
+    summary = "requests: 100 total, 100 started, 100 done, 90 succeeded, 10 failed, 0 errored\n"
+    out = summary + "status codes: 90 2xx, 0 3xx, 2 4xx, 5 5xx\n"
+    assert failure_classes([out, out], 17) == {"4xx": 4, "5xx": 10, "unanswered": 3}
+    assert failure_classes([out.replace("2 4xx, 5 5xx", "0 4xx, 0 5xx")], 0) == {}
