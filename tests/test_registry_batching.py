@@ -129,6 +129,59 @@ async def test_a_refused_or_cancelled_entry_leaves_the_rest_of_its_batch() -> No
         nursery.cancel_scope.cancel()
 
 
+async def test_an_entry_that_does_not_encode_fails_alone_and_the_rest_of_its_batch_is_answered() -> None:
+    """A member's malformed change (a value cbor2 decoded to a datetime, a NaN) fails only itself:
+    the changes queued behind it in the same batch land, and none waits for a turn that never
+    takes it (the event loop spun for them, and their PUTs were never answered)."""
+    import datetime
+
+    async with trio.open_nursery() as nursery:
+        _, keeper = await started(nursery)
+        entry: dict[str, Any] = {"path": "x", "contentType": "text/plain", "createdAt": 1_800_000_000_000}
+        outcomes: dict[str, str] = {}
+
+        async def change(name: str, value: dict[str, Any]) -> None:
+            try:
+                await keeper._record(name, value)
+                outcomes[name] = "ok"
+            except Exception as error:
+                outcomes[name] = type(error).__name__
+
+        keeper.appends.clear()
+        with trio.fail_after(5):
+            async with trio.open_nursery() as changes:
+                await keeper._lock.acquire()  # every change below queues behind it: one batch
+                changes.start_soon(change, "a", dict(entry, path="a"))
+                changes.start_soon(change, "odd", {"path": "odd", "at": datetime.datetime.now()})
+                changes.start_soon(change, "nan", dict(entry, path="nan", createdAt=float("nan")))
+                changes.start_soon(change, "b", dict(entry, path="b"))
+                await trio.testing.wait_all_tasks_blocked()
+                keeper._lock.release()
+                keeper._end_turn()
+        assert outcomes == {"a": "ok", "odd": "TypeError", "nan": "ValueError", "b": "ok"}
+        assert keeper.appends == [2], keeper.appends
+        assert {"a", "b"} <= set(keeper.listed) and not {"odd", "nan"} & set(keeper.listed)
+        nursery.cancel_scope.cancel()
+
+
+def test_only_an_entry_of_values_shape_is_taken_from_a_member() -> None:
+    from streamkeep.registry import entries
+
+    good = {"path": "a", "contentType": "text/plain", "createdAt": 1}
+    assert entries.is_value("a", good) and entries.is_value("a", dict(reversed(good.items())))
+    for bad in (
+        dict(good, path="b"),
+        dict(good, createdAt=float("nan")),
+        dict(good, createdAt=True),
+        dict(good, contentType=None),
+        dict(good, extra=1),
+        {"path": "a", "contentType": "text/plain"},
+        ["a"],
+        None,
+    ):
+        assert not entries.is_value("a", bad), bad
+
+
 def test_entries_go_as_split_messages_byte_for_byte() -> None:
     """The keeper hands its entries to the append already split (AppendSpec.messages): they are
     exactly what splitting the body would have stored, non-ASCII names included."""

@@ -47,6 +47,7 @@ from streamkeep.cluster.peers import PeerOps, Peers
 from streamkeep.cluster.placement import Member
 from streamkeep.health import Causes
 from streamkeep.protocol.errors import ProtocolError
+from streamkeep.registry import entries
 from streamkeep.registry.entries import NAME
 from streamkeep.registry.keeper import RegistryKeeper
 
@@ -225,7 +226,7 @@ class ClusterKeeper(RegistryKeeper):
             for name, value in streams.items()
             if isinstance(name, str)
             and name != NAME
-            and isinstance(value, dict)
+            and entries.is_value(name, value)
             and self._owner_id(name) == member_id
         }
 
@@ -246,10 +247,13 @@ class ClusterKeeper(RegistryKeeper):
         if (
             not isinstance(name, str)
             or not isinstance(sent, int | float)
-            or not (value is None or (isinstance(value, dict) and value.get("path") == name))
+            or not (value is None or entries.is_value(name, value))
         ):
             raise ProtocolError(
-                400, "bad_cluster_call", "registry.change needs name, value (or null) and sent"
+                400,
+                "bad_cluster_call",
+                "registry.change needs name, value (null, or path, contentType and createdAt: a "
+                "string, a string and an integer) and sent",
             )
         if name == NAME or self._owner_id(name) != caller:
             raise ProtocolError(409, "not_owner", f"member {caller!r} does not own stream {name[:200]!r}")

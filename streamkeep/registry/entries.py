@@ -46,6 +46,15 @@ def value(meta: StreamMeta) -> dict[str, Any]:
     return {"path": meta.name, "contentType": meta.content_type, "createdAt": int(meta.created_at * 1000)}
 
 
+def is_value(name: str, entry: object) -> bool:
+    """Whether `entry` is what `value` makes for stream `name` (a member's change or list is
+    checked by it before the keeper writes it)."""
+    if not isinstance(entry, dict) or entry.keys() != set(_VALUE_KEYS):
+        return False
+    path, content_type, created_at = entry["path"], entry["contentType"], entry["createdAt"]
+    return path == name and type(path) is str and type(content_type) is str and type(created_at) is int
+
+
 def insert(name: str, entry: dict[str, Any]) -> bytes:
     if tuple(entry) == _VALUE_KEYS:  # as `value` makes it: written out, the bytes `_encode` makes
         path, content_type, created_at = entry.values()
@@ -114,4 +123,5 @@ def refuse_writes(route: routes.Route) -> None:
 
 
 def _encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+    # No NaN or Infinity: JSON has neither, and a client's JSON.parse would refuse the registry.
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()

@@ -234,7 +234,7 @@ class RegistryKeeper:
                     finally:
                         self._end_turn()
         except BaseException:
-            if not change.decided:  # cancelled while waiting: never submitted, as before batching
+            if not change.decided and change in self._queued:  # cancelled while waiting: never submitted
                 self._queued.remove(change)
             raise
         if change.error is not None:
@@ -261,20 +261,24 @@ class RegistryKeeper:
         messages = []
         for change in batch:
             change.decided = True
-            if change.still_due is not None:
-                try:
+            # One change that cannot be written (refused as too late, an entry that does not
+            # encode) fails only itself: the rest of the batch is taken from the queue with it,
+            # and a change left undecided there would wait for a turn that never takes it.
+            try:
+                if change.still_due is not None:
                     change.still_due()
-                except Exception as error:
-                    change.error = error
+                now = after[change.name] if change.name in after else self.listed.get(change.name)
+                if now == change.entry:
                     continue
-            now = after[change.name] if change.name in after else self.listed.get(change.name)
-            if now == change.entry:
+                if change.entry is None:
+                    message = entries.delete(change.name)
+                else:
+                    message = entries.insert(change.name, change.entry)
+            except Exception as error:
+                change.error = error
                 continue
             after[change.name] = change.entry
-            if change.entry is None:
-                messages.append(entries.delete(change.name))
-            else:
-                messages.append(entries.insert(change.name, change.entry))
+            messages.append(message)
             due.append(change)
         if not messages:
             return
