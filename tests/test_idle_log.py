@@ -117,3 +117,35 @@ def test_the_shared_empty_producer_table_refuses_every_write() -> None:
         with pytest.raises(TypeError, match="read-only"):
             write()
     assert NO_PRODUCERS == {}
+
+
+def test_streams_of_one_content_type_share_one_copy_of_it_and_the_table_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """~60 B per idle stream (issue 26): a create's content type, parsed from its own request, and
+    one decoded from each stream's meta at start, are the one shared copy; a client inventing
+    content types stops being shared once the table is full, and nothing else changes."""
+    from streamkeep.protocol import stream as stream_module
+    from streamkeep.protocol.model import Headers
+    from streamkeep.protocol.stream import CreateSpec, shared_content_type
+    from streamkeep.storage.disk.meta import decode_meta, encode_meta
+
+    monkeypatch.setattr(stream_module, "_SHARED_CONTENT_TYPES", {})  # this test fills it
+
+    def created(content_type: str) -> str:
+        spec = CreateSpec.from_request(Headers([("Content-Type", content_type)]), b"")
+        return spec.new_meta("s", "a1b2c3d4e5f6", 0.0).content_type
+
+    first, second = created("text/plain; charset=utf-8"), created("text/plain; charset=utf-8")
+    assert first == second and first is second
+    recovered = decode_meta(
+        encode_meta(
+            stream_module.StreamMeta("s", "a1b2c3d4e5f6", "".join(["text/", "plain; charset=utf-8"]), 0.0)
+        )
+    )
+    assert recovered.content_type is first
+    for number in range(stream_module.MAX_SHARED_CONTENT_TYPES + 10):
+        shared_content_type(f"application/x-{number}")
+    assert len(stream_module._SHARED_CONTENT_TYPES) == stream_module.MAX_SHARED_CONTENT_TYPES
+    late = "".join(["application/x-", "late"])
+    assert shared_content_type(late) is late and created(late) == late

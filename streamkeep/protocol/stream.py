@@ -133,6 +133,23 @@ class ForkSource:
     incarnations: tuple[int, ...] = ()
 
 
+# One copy of each content type for the streams that have it: each create parses its own from
+# the request, ~60 B per stream kept for as long as the stream lives (issue 26: an idle stream in
+# 2 KiB). Bounded, so a client inventing content types cannot grow it.
+_SHARED_CONTENT_TYPES: dict[str, str] = {}
+MAX_SHARED_CONTENT_TYPES = 1024
+
+
+def shared_content_type(content_type: str) -> str:
+    """The copy of `content_type` that streams share (or `content_type` itself, once the table is full)."""
+    shared = _SHARED_CONTENT_TYPES.get(content_type)
+    if shared is not None:
+        return shared
+    if len(_SHARED_CONTENT_TYPES) < MAX_SHARED_CONTENT_TYPES:
+        _SHARED_CONTENT_TYPES[content_type] = content_type
+    return content_type
+
+
 def _initial_messages(body: bytes, content_type: str) -> list[bytes]:
     if not body:
         return []
@@ -174,7 +191,7 @@ class CreateSpec:
         return StreamMeta(
             name=name,
             stream_id=stream_id,
-            content_type=self.content_type,
+            content_type=shared_content_type(self.content_type),
             created_at=now,
             ttl_seconds=self.ttl_seconds,
             expires_at=self.expires_at[0] if self.expires_at else None,

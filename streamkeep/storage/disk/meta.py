@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import cbor2
 
-from streamkeep.protocol.stream import StreamMeta
+from streamkeep.protocol.stream import StreamMeta, shared_content_type
 
 
 def encode_meta(meta: StreamMeta) -> bytes:
@@ -36,7 +36,7 @@ def decode_meta(data: bytes) -> StreamMeta:
     return StreamMeta(
         name=raw["name"],
         stream_id=raw["id"],
-        content_type=raw["ct"],
+        content_type=shared_content_type(ct) if isinstance(ct := raw["ct"], str) else ct,
         created_at=raw["created"],
         ttl_seconds=raw.get("ttl"),
         expires_at=raw.get("exp"),
