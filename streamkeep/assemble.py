@@ -92,6 +92,9 @@ class Injected:
     # Streams read in the background between two checkpoints (None: as many as 5 ms allow); the
     # simulation counts them, so that its runs replay.
     read_slice_streams: int | None = None
+    # Write descriptors kept open at most (None: half the process's limit); the simulation keeps
+    # a few, so that giving them back and opening them again meets every fault it makes.
+    write_descriptors: int | None = None
 
 
 def make_storage(settings: SimpleNamespace, injected: Injected | None = None) -> MemoryStorage | DiskStorage:
@@ -116,6 +119,7 @@ def make_storage(settings: SimpleNamespace, injected: Injected | None = None) ->
         run_sync=injected.run_sync,
         cache_bytes=injected.read_cache_bytes,
         read_slice_streams=injected.read_slice_streams,
+        write_descriptors=injected.write_descriptors,
     )
 
 

@@ -149,3 +149,42 @@ def test_streams_of_one_content_type_share_one_copy_of_it_and_the_table_is_bound
     assert len(stream_module._SHARED_CONTENT_TYPES) == stream_module.MAX_SHARED_CONTENT_TYPES
     late = "".join(["application/x-", "late"])
     assert shared_content_type(late) is late and created(late) == late
+
+
+@pytest.mark.parametrize("fsync", ["always", "interval"])
+async def test_write_descriptors_stay_within_the_budget_while_streams_are_awake(
+    tmp_path: Path, fsync: str
+) -> None:
+    """Streams written faster than they hibernate kept a descriptor each until their actor slept:
+    at 100,000 streams that reached the process's limit and appends failed 503 (EMFILE). Past the
+    budget the least recently written give theirs back (a stream still dirty under fsync=interval
+    keeps it until synced), and the next write to one opens it again."""
+    limit = 4
+    storage = DiskStorage(tmp_path, budget=BUDGET, fsync=fsync, fsync_interval=0.05, write_descriptors=limit)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        logs = [await storage.create(new_meta(f"s{i}"), []) for i in range(12)]
+        for stream_log in logs:
+            stream_log.on_publish = lambda: None  # as an awake actor listens: not given back as idle
+        for number, stream_log in enumerate(logs):
+            assert await stream_log.submit(plain(stream_log, b"a%02d;" % number)).wait() == 4
+            if fsync == "always":
+                assert segment_fds(tmp_path) <= limit
+        if fsync == "interval":
+            await trio.sleep(0.3)  # the interval sync: nothing dirty any more
+            assert await logs[0].submit(plain(logs[0], b"b00;")).wait() == 8
+            assert segment_fds(tmp_path) <= limit
+        stats = storage.stats()
+        assert stats["write_descriptors"] <= limit and stats["write_descriptors_given_back"] >= 12 - limit
+        for number, stream_log in enumerate(logs):  # given back, opened again
+            assert await stream_log.submit(plain(stream_log, b"c%02d;" % number)).wait() > 4
+        for number, stream_log in enumerate(logs):
+            expected = b"a%02d;" % number + (b"b00;" if number == 0 and fsync == "interval" else b"")
+            assert await read_back(stream_log) == expected + b"c%02d;" % number
+        nursery.cancel_scope.cancel()
+    again = DiskStorage(tmp_path, budget=BUDGET, fsync=fsync)
+    async with trio.open_nursery() as nursery:
+        await again.start(nursery)
+        reopened = again.open("s11")
+        assert reopened is not None and await read_back(reopened) == b"a11;c11;"
+        nursery.cancel_scope.cancel()

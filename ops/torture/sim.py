@@ -343,6 +343,7 @@ class Simulation:
             subscriptions=False,
             retry_start=self._retry_start,
             read_slice_streams=1,  # counted, not timed, so that a seed replays
+            write_descriptors=3,  # descriptors given back and opened again under every fault
         )
         server = Server(_settings(config), nursery, injected)
         await server.recover()

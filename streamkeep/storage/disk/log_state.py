@@ -28,6 +28,7 @@ from streamkeep.segments import format as fmt
 from streamkeep.segments.floor import FloorCheckpoint
 from streamkeep.storage.base import ByteBudget, Commit, resolved
 from streamkeep.storage.disk.committer import Committable, Committer
+from streamkeep.storage.disk.descriptors import DescriptorBudget
 from streamkeep.storage.disk.index import Entry, RecordIndex, Segment, TailCache
 from streamkeep.storage.disk.tiering import ColdTier
 from streamkeep.storage.disk.writer import Pending, SegmentLimits, SegmentWriter
@@ -78,6 +79,7 @@ class LogHost(Protocol):
     health: Health
     committer: Committer
     cold: ColdTier | None
+    descriptors: DescriptorBudget
 
     async def run_io(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
@@ -188,10 +190,11 @@ class LogState:
         return lock
 
     def release_descriptor(self) -> None:
-        """Closes the active segment's write descriptor of a stream whose actor hibernated: kept,
-        one per stream ever written, they ran into the process's descriptor limit (100,000 streams;
-        past it every append answered 503 and accept failed with EMFILE), and the next write opens
-        it again. Not while anything of the stream is queued, being written, synced or repaired,
+        """Closes the active segment's write descriptor of a stream whose actor hibernated, or the
+        least recently written one past the storage's budget (descriptors.py): kept, one per
+        stream ever written, they ran into the process's descriptor limit (100,000 streams; past
+        it every append answered 503 and accept failed with EMFILE), and the next write opens it
+        again. Not while anything of the stream is queued, being written, synced or repaired,
         nor while it holds what a relaxed fsync policy has not synced yet (the interval sync and a
         clean stop sync through it; under fsync=never it stays open)."""
         writer, lock = self._writer, self._io_lock  # not made just to look at them
@@ -202,8 +205,13 @@ class LogState:
             # fsync=interval the sync of what is dirty, retention holding the I/O lock, say.
             return
         writer.close()
+        self.host.descriptors.released(self)
         if writer.at_rest(self.active_segment):
             self.drop_writer()  # the next write makes a new one, the same as this
+
+    def descriptor_open(self) -> bool:
+        writer = self._writer
+        return writer is not None and writer.open_fd() is not None
 
     def give_back(self) -> None:
         """What an idle stream holds shrinks to what it cannot make again."""

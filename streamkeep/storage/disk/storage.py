@@ -39,6 +39,7 @@ from streamkeep.storage import files
 from streamkeep.storage.base import ByteBudget, RemoteSources
 from streamkeep.storage.disk.committer import Committer, RoundSettings
 from streamkeep.storage.disk.creates import CreateCommitter, CreateSettings
+from streamkeep.storage.disk.descriptors import DescriptorBudget, default_limit
 from streamkeep.storage.disk.directory import DataDirectory, FormatError
 from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log import DiskLog
@@ -103,6 +104,7 @@ class DiskStorage:
         fs: FileSystem = files.OS,
         run_sync: RunSync | None = None,
         read_slice_streams: int | None = None,
+        write_descriptors: int | None = None,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}")
@@ -120,6 +122,8 @@ class DiskStorage:
         self.segment_max_age = segment_max_age  # seconds; 0 turns age-based sealing off
         self.limits = SegmentLimits(segment_max_bytes, segment_max_messages, segment_max_age)
         self.cache_bytes = cache_bytes
+        # Write descriptors kept open at most (None: half the process's limit): descriptors.py.
+        self.descriptors = DescriptorBudget(write_descriptors or default_limit())
         self._limiter = trio.CapacityLimiter(io_threads)
         self._run_sync: RunSync = run_sync or trio.to_thread.run_sync
         self._logs: dict[str, DiskLog] = {}
@@ -399,6 +403,10 @@ class DiskStorage:
             "commit_rounds": self.committer.rounds,
             "create_rounds": self.creates.rounds,
             "creates": self.creates.created,
+            # Write descriptors open (those the budget counts) and given back to stay within it.
+            "write_descriptors": self.descriptors.held,
+            "write_descriptors_limit": self.descriptors.limit,
+            "write_descriptors_given_back": self.descriptors.given_back,
             "streams_unread": len(self._unread),  # found at start, not read yet (serving early)
             **self.health.stats(),
             "read_only_streams": sorted(
