@@ -331,3 +331,43 @@ async def test_an_append_is_not_refused_for_a_close_that_then_fails(tmp_path: Pa
         # Not "closed": the close was never made. A 503 (retry) is the honest answer.
         assert answers["append"] != 409, answers
         assert (await service.handle(post(b"after;"))).status == 204
+
+
+async def test_a_seal_whose_fsync_failed_never_syncs_through_that_descriptor_again(tmp_path: Path) -> None:
+    """Under fsync=interval an append is written and acknowledged before it is synced. If sealing
+    the segment (--segment-max-age, a compaction's fresh segment) fails its fsync, the pages may
+    be gone; a later fsync through the same descriptor would report them durable. The descriptor
+    is let go, and the next sync writes them again through a new one."""
+    fs = FaultyFS()
+    events: list[tuple[str, int]] = []
+
+    def synced(real: Any, fd: int) -> None:
+        failed = not any(kind == "failed" for kind, _ in events)
+        events.append(("failed" if failed else "sync", fd))
+        if failed:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    def opened(real: Any, path: Any, flags: int, mode: int = 0o644) -> int:
+        fd = real(path, flags, mode)
+        events.append(("open", fd))
+        return fd
+
+    async with storage_on(tmp_path, fs, fsync="interval", fsync_interval=3600) as storage:
+        log = await storage.create(new_meta("seal"), [b"kept;"])
+        log.on_publish = lambda: None  # an awake stream: nothing gives its descriptor back as idle
+        assert await log.submit(record(log, b"unsynced;")).wait() == len(b"kept;unsynced;")
+        fs.script("fdatasync", synced)
+        fs.script("open", opened)
+        with pytest.raises(OSError):
+            await log.seal_idle()
+        bad = next(fd for kind, fd in events if kind == "failed")
+        assert log.kept_writer is not None and log.kept_writer.needs_repair
+        assert log.kept_writer.open_fd() != bad
+        await log.sync()
+        fs.clear()
+    later = events[events.index(("failed", bad)) + 1 :]
+    syncs = [fd for kind, fd in later if kind == "sync"]
+    assert syncs and all(("open", fd) in later[: later.index(("sync", fd))] for fd in syncs), events
+    data = (tmp_path / "streams" / "seal" / "0000000000000000.seg").read_bytes()
+    assert data.endswith(b"unsynced;")

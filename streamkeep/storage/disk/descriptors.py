@@ -8,6 +8,8 @@ descriptors, the whole limit of the dev VM, and appends then failed 503 with EMF
 a round goes past it, gives back the least recently written; the next write to such a stream opens
 its segment again (writer.py `_active_fd`). A stream busy with its descriptor (queued, being
 written or synced, dirty under fsync=interval) keeps it and is asked again at the next trim.
+Under fsync=never nothing gives a descriptor back (not even hibernation: a clean stop syncs
+through it), so that mode keeps one per stream ever written, and is not counted here.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from collections import OrderedDict
 from itertools import islice
 from typing import Protocol
 
-# Beyond the excess, how many more of the oldest a trim gives back: one trim per few rounds, not
-# one per round, once the budget is reached.
+# A trim runs once this many streams joined since the last one (fewer for a small budget), and
+# looks at twice as many of the oldest at most: its work stays a few steps per write, even when the
+# oldest are all busy (dirty under fsync=interval) and give nothing back.
 SLACK = 64
 
 
@@ -33,7 +36,10 @@ class HoldsDescriptor(Protocol):
 class DescriptorBudget:
     def __init__(self, limit: int) -> None:
         self.limit = max(1, limit)
+        # A small budget (the simulation's) is kept exactly: a trim at every stream that joins.
+        self.slack = max(1, min(SLACK, self.limit // 8))
         self._holders: OrderedDict[HoldsDescriptor, None] = OrderedDict()
+        self._joined = 0  # holders added since the last trim
         self.given_back = 0  # descriptors closed to stay within the budget, for /stats
 
     def wrote(self, holder: HoldsDescriptor) -> None:
@@ -41,9 +47,10 @@ class DescriptorBudget:
         holders = self._holders
         if holder in holders:
             holders.move_to_end(holder)
-        else:
-            holders[holder] = None
-        if len(holders) > self.limit:  # (still over after a trim: the busy ones, asked again now)
+            return
+        holders[holder] = None
+        self._joined += 1
+        if self._joined >= self.slack and len(holders) > self.limit:
             self._trim()
 
     def released(self, holder: HoldsDescriptor) -> None:
@@ -55,14 +62,17 @@ class DescriptorBudget:
         return len(self._holders)
 
     def _trim(self) -> None:
-        oldest = list(islice(self._holders, len(self._holders) - self.limit + SLACK))
+        self._joined = 0
+        holders = self._holders
+        oldest = list(islice(holders, min(len(holders) - self.limit + self.slack, 2 * SLACK)))
         for holder in oldest:
             if holder.descriptor_open():
                 holder.release_descriptor()
                 if holder.descriptor_open():
-                    continue  # busy with it: asked again at the next trim
+                    holders.move_to_end(holder)  # busy with it: asked again after the others
+                    continue
                 self.given_back += 1
-            self._holders.pop(holder, None)
+            holders.pop(holder, None)
 
 
 def default_limit() -> int:

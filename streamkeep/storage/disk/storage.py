@@ -360,6 +360,8 @@ class DiskStorage:
             else:
                 stream_log.deleted = True
                 del self._logs[name]
+                self.descriptors.released(stream_log)  # closed by the delete: not a holder now
+                stream_log.shed()
             finally:
                 stream_log.deleting.set()
                 stream_log.deleting = None
@@ -616,6 +618,7 @@ class DiskStorage:
                         continue
                     stream_log.deleted = True  # served early, an actor may hold it (a 410 answered)
                     del self._logs[name]
+                    self.descriptors.released(stream_log)
                     self.budget.total_bytes -= stream_log.tail - stream_log.held_from
                     parent = self._logs.get(stream_log.meta.forked_from or "")
                     if parent is not None:

@@ -304,7 +304,16 @@ class SegmentWriter:
         fs = self.fs
         if self.needs_repair:
             self.repair(active)
-        fs.fdatasync(self._active_fd(active))
+        sealing = self._active_fd(active)
+        try:
+            fs.fdatasync(sealing)
+        except OSError:
+            # As `sync` does: what it held may be gone from the page cache, and a second fsync
+            # through it would say durable. Repair writes it again through a new one.
+            self._close_quietly(sealing)
+            self._fd = None
+            self.needs_repair = True
+            raise
         fd = fs.open(new.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             files.pwrite_all(fs, fd, header, 0)
