@@ -50,6 +50,18 @@ async def read_back(stream_log: DiskLog) -> bytes:
     return b"".join((await stream_log.read(0, 1 << 20, whole_messages=False)).messages)
 
 
+async def read_after_a_restart(data_dir: Path, fsync: str, name: str) -> bytes:
+    """What a new storage over the same directory reads back of the stream."""
+    again = DiskStorage(data_dir, budget=BUDGET, fsync=fsync)
+    async with trio.open_nursery() as nursery:
+        await again.start(nursery)
+        reopened = again.open(name)
+        assert reopened is not None
+        data = await read_back(reopened)
+        nursery.cancel_scope.cancel()
+    return data
+
+
 @pytest.mark.parametrize("fsync", ["always", "interval"])
 async def test_an_idle_log_drops_what_it_can_remake_and_makes_it_again_the_same(
     tmp_path: Path, fsync: str
@@ -73,12 +85,7 @@ async def test_an_idle_log_drops_what_it_can_remake_and_makes_it_again_the_same(
         storage.idle("s")
         assert holds_nothing_it_can_remake(stream_log)
         nursery.cancel_scope.cancel()
-    again = DiskStorage(tmp_path, budget=BUDGET, fsync=fsync)
-    async with trio.open_nursery() as nursery:
-        await again.start(nursery)
-        reopened = again.open("s")
-        assert reopened is not None and await read_back(reopened) == b"one;two;three;"
-        nursery.cancel_scope.cancel()
+    assert await read_after_a_restart(tmp_path, fsync, "s") == b"one;two;three;"
 
 
 async def test_sealing_an_idle_stream_leaves_no_descriptor_or_lock(tmp_path: Path) -> None:
@@ -186,12 +193,7 @@ async def test_write_descriptors_stay_within_the_budget_while_streams_are_awake(
         for number, stream_log in enumerate(logs):
             assert await read_back(stream_log) == b"a%02d;c%02d;" % (number, number)
         nursery.cancel_scope.cancel()
-    again = DiskStorage(tmp_path, budget=BUDGET, fsync=fsync)
-    async with trio.open_nursery() as nursery:
-        await again.start(nursery)
-        reopened = again.open("s11")
-        assert reopened is not None and await read_back(reopened) == b"a11;c11;"
-        nursery.cancel_scope.cancel()
+    assert await read_after_a_restart(tmp_path, fsync, "s11") == b"a11;c11;"
 
 
 async def test_a_deleted_stream_leaves_the_descriptor_budget(tmp_path: Path) -> None:

@@ -171,27 +171,36 @@ async def test_a_segment_is_synced_before_it_is_sealed(tmp_path: Path, fsync: st
     assert ledger.sealed_unsynced == []
 
 
+class DescriptorEvents:
+    """FaultyFS scripts that note opens, closes and syncs by descriptor; the first sync fails."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def opened(self, real: Any, path: Any, flags: int, mode: int = 0o644) -> int:
+        fd = real(path, flags, mode)
+        self.events.append(("open", fd))
+        return fd
+
+    def closed(self, real: Any, fd: int) -> None:
+        self.events.append(("close", fd))
+        real(fd)
+
+    def synced(self, real: Any, fd: int) -> None:
+        failed = not any(kind == "failed" for kind, _ in self.events)
+        self.events.append(("failed" if failed else "sync", fd))
+        if failed:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+
 async def test_a_failed_fsync_is_never_retried_on_the_same_descriptor(tmp_path: Path) -> None:
     """After a failed fsync the kernel may have dropped the pages: the descriptor is closed, the
     file reopened and cut back to what was acknowledged, and later syncs use the new descriptor."""
     fs = FaultyFS()
-    events: list[tuple[str, int]] = []
-
-    def opened(real: Any, path: Any, flags: int, mode: int = 0o644) -> int:
-        fd = real(path, flags, mode)
-        events.append(("open", fd))
-        return fd
-
-    def closed(real: Any, fd: int) -> None:
-        events.append(("close", fd))
-        real(fd)
-
-    def synced(real: Any, fd: int) -> None:
-        failed = not any(kind == "failed" for kind, _ in events)
-        events.append(("failed" if failed else "sync", fd))
-        if failed:
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
+    noted = DescriptorEvents()
+    events = noted.events
+    opened, closed, synced = noted.opened, noted.closed, noted.synced
 
     async with storage_on(tmp_path, fs) as storage:
         log = await storage.create(new_meta("eio"), [b"kept;"])
@@ -339,26 +348,15 @@ async def test_a_seal_whose_fsync_failed_never_syncs_through_that_descriptor_aga
     be gone; a later fsync through the same descriptor would report them durable. The descriptor
     is let go, and the next sync writes them again through a new one."""
     fs = FaultyFS()
-    events: list[tuple[str, int]] = []
-
-    def synced(real: Any, fd: int) -> None:
-        failed = not any(kind == "failed" for kind, _ in events)
-        events.append(("failed" if failed else "sync", fd))
-        if failed:
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
-
-    def opened(real: Any, path: Any, flags: int, mode: int = 0o644) -> int:
-        fd = real(path, flags, mode)
-        events.append(("open", fd))
-        return fd
+    noted = DescriptorEvents()
+    events = noted.events
 
     async with storage_on(tmp_path, fs, fsync="interval", fsync_interval=3600) as storage:
         log = await storage.create(new_meta("seal"), [b"kept;"])
         log.on_publish = lambda: None  # an awake stream: nothing gives its descriptor back as idle
         assert await log.submit(record(log, b"unsynced;")).wait() == len(b"kept;unsynced;")
-        fs.script("fdatasync", synced)
-        fs.script("open", opened)
+        fs.script("fdatasync", noted.synced)
+        fs.script("open", noted.opened)
         with pytest.raises(OSError):
             await log.seal_idle()
         bad = next(fd for kind, fd in events if kind == "failed")

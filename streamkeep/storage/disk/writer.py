@@ -281,21 +281,26 @@ class SegmentWriter:
     def sync(self, active: Segment) -> None:
         """Makes the active segment durable. After a failed sync, `repair` first writes the
         unsynced range again through a fresh descriptor."""
-        fs = self.fs
         if self.read_only is not None:
             return
         if self.needs_repair:
             self.repair(active)
             return
+        self._sync_active(active)
+        self.synced_size = active.size
+
+    def _sync_active(self, active: Segment) -> None:
+        """fdatasync of the active segment's descriptor. If it fails, the descriptor is let go and
+        never synced through again: what it held may be gone from the page cache, and a second
+        fsync through it would say durable. `repair` writes it again through a new one."""
         fd = self._active_fd(active)
         try:
-            fs.fdatasync(fd)
+            self.fs.fdatasync(fd)
         except OSError:
             self._close_quietly(fd)
             self._fd = None
             self.needs_repair = True
             raise
-        self.synced_size = active.size
 
     # ---- sealing an idle segment (--segment-max-age) -----------------------------------
 
@@ -304,16 +309,7 @@ class SegmentWriter:
         fs = self.fs
         if self.needs_repair:
             self.repair(active)
-        sealing = self._active_fd(active)
-        try:
-            fs.fdatasync(sealing)
-        except OSError:
-            # As `sync` does: what it held may be gone from the page cache, and a second fsync
-            # through it would say durable. Repair writes it again through a new one.
-            self._close_quietly(sealing)
-            self._fd = None
-            self.needs_repair = True
-            raise
+        self._sync_active(active)
         fd = fs.open(new.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             files.pwrite_all(fs, fd, header, 0)
