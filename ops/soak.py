@@ -606,7 +606,7 @@ def soak_cluster(
     return False
 
 
-def main() -> int:
+def arguments(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -617,8 +617,12 @@ def main() -> int:
     parser.add_argument("--readers", type=int, default=12)
     parser.add_argument(
         "--tracemalloc",
-        action="store_true",
-        help="run the server under tracemalloc and say where memory grew",
+        type=int,
+        nargs="?",
+        const=8,
+        default=0,
+        metavar="FRAMES",
+        help="run the server under tracemalloc (FRAMES deep, 8 if not said) and say where memory grew",
     )
     parser.add_argument(
         "--replicas",
@@ -630,7 +634,11 @@ def main() -> int:
     parser.add_argument(
         "--processes", type=int, default=2, help="with --replicas 2: the cluster's members (default 2)"
     )
-    args = parser.parse_args()
+    return parser, parser.parse_args(argv)
+
+
+def main() -> int:
+    parser, args = arguments()
     if args.replicas == 2:
         if args.cold or args.tracemalloc:
             parser.error("--cold and --tracemalloc are for the single server, not --replicas 2")

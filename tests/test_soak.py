@@ -65,3 +65,13 @@ def test_the_per_process_row_fails_a_grower_but_not_a_short_series() -> None:
     assert flat and "too short" in row
     row, flat = soak.process_row("etcd", 3, "", samples([20] * 9, [30_000] * 9))
     assert flat and row.endswith("| flat |")
+
+
+def test_tracemalloc_takes_a_depth_and_defaults_to_eight_frames() -> None:
+    """`--tracemalloc` alone once passed True where ops/traced_serve.py wants a frame count, and
+    the server exited at start."""
+    from ops.soak import arguments
+
+    assert arguments([])[1].tracemalloc == 0
+    assert arguments(["--tracemalloc"])[1].tracemalloc == 8
+    assert arguments(["--tracemalloc", "3"])[1].tracemalloc == 3
