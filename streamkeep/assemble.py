@@ -28,7 +28,7 @@ from streamkeep import collector
 from streamkeep.actors.expiry import sweep_expired
 from streamkeep.actors.supervisor import Supervisor
 from streamkeep.auth import setup as auth_setup
-from streamkeep.background import give_back_memory, supervised
+from streamkeep.background import MemoryGiveBack, supervised
 from streamkeep.cluster import registry_setup as cluster_registry
 from streamkeep.cluster.forks import RemoteForks
 from streamkeep.cluster.forward import Forwarder
@@ -407,7 +407,9 @@ async def _serve(settings: SimpleNamespace, opened: list[DiskStorage], injected:
 
         nursery.start_soon(watch_signals)
         # Here, not in Server: the simulation runs Server on a mock clock and replays seeds exactly.
-        nursery.start_soon(supervised, "memory trim", give_back_memory, service.health)
+        give_back = MemoryGiveBack()
+        server.supervisor.many_hibernated = give_back.soon
+        nursery.start_soon(supervised, "memory trim", give_back.run, service.health)
         # The edge listens from the start, so probes can tell a long recovery from a hung process.
         binds = await listen(settings, service, server.metrics_page, nursery, shutdown)
         if isinstance(server.storage, DiskStorage):

@@ -373,3 +373,27 @@ async def test_the_hibernation_sweep_lets_other_tasks_run_while_many_actors_go_t
         assert any(0 < count < streams for count in seen_awake), "the sweep never let another task run"
         assert not woken_again.alive and supervisor.spawned == streams
         nursery.cancel_scope.cancel()
+
+
+async def test_many_actors_going_to_sleep_ask_for_their_memory_to_be_given_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After SWEEP_SLICE actors went to sleep, or some did and none is awake, the supervisor says
+    so (the server then hands the freed heap back at once, not at its next minute's trim); a
+    sweep that put none to sleep says nothing."""
+    calls: list[int] = []
+    async with trio.open_nursery() as nursery:
+        supervisor = Supervisor(new_storage(), nursery, hibernate_after=1)
+        supervisor.many_hibernated = lambda: calls.append(supervisor.active)
+        await supervisor.call("one", create(), must_exist=False)
+        await trio.sleep(2)
+        assert supervisor.active == 0 and calls == [0], "one actor slept and none is awake"
+
+        with supervisor.live_reader("one"):  # stays awake through every sweep below
+            for number in range(SUPERVISOR_SWEEP_SLICE + 5):
+                await supervisor.call(f"s{number}", create(), must_exist=False)
+            await trio.sleep(2)
+            assert supervisor.active == 1 and calls == [0, 1], "a slice went to sleep with one awake"
+            await trio.sleep(5)
+            assert calls == [0, 1], "sweeps that put nobody to sleep said nothing"
+        nursery.cancel_scope.cancel()

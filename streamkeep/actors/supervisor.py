@@ -48,6 +48,11 @@ class Supervisor:
         # Told of creates and deletes, and awaited by the actor before it answers (the registry,
         # streamkeep/registry/keeper.py); None when nothing keeps a list.
         self.lifecycle: Lifecycle | None = None
+        # Called once SWEEP_SLICE or more actors went to sleep since the last call, or some did and
+        # none is awake: what they freed can go back to the system now
+        # (background.MemoryGiveBack.soon, where the process has one).
+        self.many_hibernated: Callable[[], None] | None = None
+        self._slept = 0  # actors put to sleep since `many_hibernated` was last called
 
     @property
     def active(self) -> int:
@@ -88,12 +93,16 @@ class Supervisor:
                 idle_since = trio.current_time() - self.hibernate_after
                 for seen, actor in enumerate(list(self._actors.values()), 1):
                     try:
-                        actor.hibernate_if_idle(idle_since)
+                        self._slept += actor.hibernate_if_idle(idle_since)
                     except Exception:  # a bug must cost one actor its nap, not the server its life
                         log.exception("stream %r: hibernation check failed", actor.name)
                     if seen % SWEEP_SLICE == 0:
                         # 100,000 awake actors (live readers) held the event loop ~30 ms a sweep.
                         await trio.lowlevel.checkpoint()
+                if self._slept >= SWEEP_SLICE or (self._slept and not self._actors):
+                    self._slept = 0
+                    if self.many_hibernated is not None:
+                        self.many_hibernated()
         finally:
             self._sweeping = False
 

@@ -55,6 +55,21 @@ def is_value(name: str, entry: object) -> bool:
     return path == name and type(path) is str and type(content_type) is str and type(created_at) is int
 
 
+def summary(name: str, entry: dict[str, Any]) -> object:
+    """What the keeper remembers of an entry it lists: enough to tell whether a change would say
+    something new. A value as `value` makes it is kept as (content type, createdAt): the dict,
+    with the keys table each dict carries, cost every listed stream ~216 B, a tenth of what an
+    idle stream may take (issue 26); a tuple costs 88. Anything else (an adopted stream's entry)
+    is kept as it is."""
+    if is_value(name, entry):
+        return (entry["contentType"], entry["createdAt"])
+    return entry
+
+
+def summaries(listed: dict[str, dict[str, Any]]) -> dict[str, object]:
+    return {name: summary(name, entry) for name, entry in listed.items()}
+
+
 def insert(name: str, entry: dict[str, Any]) -> bytes:
     if tuple(entry) == _VALUE_KEYS:  # as `value` makes it: written out, the bytes `_encode` makes
         path, content_type, created_at = entry.values()

@@ -78,8 +78,9 @@ class RegistryKeeper:
         self.supervisor = supervisor
         self.storage = supervisor.storage
         self.clock = clock
-        # What the registry lists, by name: what reconcile folded, plus the entries appended since.
-        self.listed: dict[str, dict[str, Any]] = {}
+        # What the registry lists, by name: what reconcile folded, plus the entries appended since;
+        # each entry as `entries.summary` keeps it (one per stream: kept small).
+        self.listed: dict[str, object] = {}
         self.health = Health()
         self._lock = trio.Lock()  # held by a turn (`_turn`): deciding and submitting, or a reconcile
         self._turn_ended: trio.Event | None = None  # made when a change waits for a turn to end
@@ -178,7 +179,7 @@ class RegistryKeeper:
                 len(messages),
                 len(live),
             )
-        self.listed = live  # what it lists now, the difference appended
+        self.listed = entries.summaries(live)  # what it lists now, the difference appended
 
     # ---- told by the stream actors ------------------------------------------------------
 
@@ -256,8 +257,8 @@ class RegistryKeeper:
         """Under the lock: decides each queued change against what is listed (and the changes
         before it in the queue), and appends those still due as one append."""
         batch, self._queued = self._queued[:MAX_BATCH], self._queued[MAX_BATCH:]
-        due: list[_Change] = []
-        after: dict[str, dict[str, Any] | None] = {}  # what is listed once the earlier changes land
+        due: list[tuple[_Change, object]] = []  # each with what is listed once it lands
+        after: dict[str, object] = {}  # what is listed once the earlier changes land (summaries)
         messages = []
         for change in batch:
             change.decided = True
@@ -268,18 +269,20 @@ class RegistryKeeper:
                 if change.still_due is not None:
                     change.still_due()
                 now = after[change.name] if change.name in after else self.listed.get(change.name)
-                if now == change.entry:
-                    continue
                 if change.entry is None:
-                    message = entries.delete(change.name)
+                    remembered = None
+                    message = entries.delete(change.name) if now is not None else None
                 else:
-                    message = entries.insert(change.name, change.entry)
+                    remembered = entries.summary(change.name, change.entry)
+                    message = entries.insert(change.name, change.entry) if now != remembered else None
+                if message is None:  # the registry already says so
+                    continue
             except Exception as error:
                 change.error = error
                 continue
-            after[change.name] = change.entry
+            after[change.name] = remembered
             messages.append(message)
-            due.append(change)
+            due.append((change, remembered))
         if not messages:
             return
         try:
@@ -290,16 +293,16 @@ class RegistryKeeper:
                 if isinstance(error, Exception)
                 else ProtocolError(503, "registry_unavailable", "the registry entry was interrupted")
             )
-            for change in due:
+            for change, _ in due:
                 change.error = failed
             raise
-        for change in due:
+        for change, remembered in due:
             change.pending = pending
-            if change.entry is None:
+            if remembered is None:
                 self.listed.pop(change.name, None)
                 self.deletes += 1
             else:
-                self.listed[change.name] = change.entry
+                self.listed[change.name] = remembered
                 self.inserts += 1
 
     # ---- helpers --------------------------------------------------------------------------

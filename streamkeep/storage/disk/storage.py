@@ -330,7 +330,7 @@ class DiskStorage:
             uncertain = not_durable(f"create of {meta.name!r}", done.uncertain)
         stream_log = DiskLog(self, directory, replace(meta, closed=False))
         segment = Segment(base, stream_log.location, header_len)
-        stream_log.segments.append(segment)
+        stream_log.segments = [segment]  # not appended: a list grown by append holds room for four
         if initial is not None:
             record = fmt.decode_at(segment_bytes, header_len)
             stream_log.index_record(segment, record, record.payload)
