@@ -9,7 +9,7 @@ NPM_STAMP := conformance/node_modules/.installed
 ARGS ?=
 
 .PHONY: serve serve-cluster test unit lint conformance conformance-h1 conformance-h2 conformance-disk conformance-quart conformance-auth conformance-cluster \
-	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-streams bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha bench-sync sessions-demo profile profile-cluster crash-test soak system-tools browser-tools h2load venv clean \
+	client-conformance bench bench-quick bench-load bench-auth bench-compaction bench-disk bench-streams create-floor bench-recovery bench-cold bench-spark bench-cluster bench-client bench-ha bench-sync sessions-demo profile profile-cluster crash-test soak system-tools browser-tools h2load venv clean \
 	torture docs
 
 venv: $(VENV_STAMP)
@@ -211,6 +211,12 @@ bench-disk: $(VENV_STAMP) $(BENCH_STAMP) h2load
 ## Extra flags: make bench-streams ARGS="--streams 20000 --json streams.json"
 bench-streams: $(VENV_STAMP) h2load
 	$(PY) -m ops.bench_streams $(ARGS)
+
+## The file system's floor for creates (issue 26): the server's create steps alone, one thread, per
+## sync method, beside one synced shared file; run it beside bench-streams (~1 min on a shared disk).
+## Extra flags: make create-floor ARGS="--dir /var/lib/streamkeep --creates 12800"
+create-floor: $(VENV_STAMP)
+	$(PY) -m ops.create_floor $(ARGS)
 
 ## Where an append's microseconds go (issue 15): server CPU per append, split by component from py-spy
 ## samples, memory and disk, HTTP/1.1 and h2c; server and load pinned to their own cores (~1 min).

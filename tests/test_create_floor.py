@@ -1,0 +1,60 @@
+"""ops/create_floor.py, run tiny on a real file system: the server's own create steps, measured."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops import create_floor
+from ops.serverproc import ROOT
+from streamkeep.storage.files import OsFileSystem
+
+
+def test_the_floor_reports_each_method_with_real_figures(tmp_path: Path) -> None:
+    out = tmp_path / "floor.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ops.create_floor",
+            "--dir",
+            str(tmp_path),
+            "--creates",
+            "40",
+            "--round",
+            "8",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    floors = json.loads(out.read_text())
+    assert [floor["method"] for floor in floors] == ["fdatasync", "syncfs", "one file"]
+    for floor in floors:
+        assert floor["creates"] == 40
+        assert math.isfinite(floor["per_second"]) and floor["per_second"] > 0
+        assert floor["user_us"] >= 0 and floor["sys_us"] >= 0
+    assert "| fdatasync |" in done.stdout
+    assert os.listdir(tmp_path) == ["floor.json"], "its work directory was left behind"
+
+
+@pytest.mark.parametrize("syncfs", [False, True])
+def test_a_round_makes_streams_as_the_server_does(tmp_path: Path, syncfs: bool) -> None:
+    """The steps measured are the create round's: each stream in place, with its two files."""
+    streams = tmp_path / "streams"
+    streams.mkdir()
+    create_floor.server_steps(OsFileSystem(), streams, 3, syncfs)(7)
+    made = sorted(os.listdir(streams))
+    assert made == ["r7-s0", "r7-s1", "r7-s2"], "a staging directory was left, or a stream missing"
+    assert (streams / "r7-s1" / "meta.cbor").read_bytes() == create_floor.META
+    assert (streams / "r7-s1" / "0000000000000000.seg").read_bytes() == create_floor.SEGMENT
