@@ -195,10 +195,10 @@ class LogState:
         stream ever written, they ran into the process's descriptor limit (100,000 streams; past
         it every append answered 503 and accept failed with EMFILE), and the next write opens it
         again. Not while anything of the stream is queued, being written, synced or repaired,
-        nor while it holds what a relaxed fsync policy has not synced yet (the interval sync and a
-        clean stop sync through it; under fsync=never it stays open)."""
+        nor while it holds what a relaxed fsync policy has not synced yet (the interval sync, a
+        clean stop, or the budget's ask for a sync under either policy syncs through it first)."""
         writer, lock = self._writer, self._io_lock  # not made just to look at them
-        if self.host.fsync == "never" or writer is None:
+        if writer is None:
             return
         if self.pending or (lock is not None and lock.locked()) or writer.needs_repair or self.dirty:
             # Whoever is busy with it gives it back as its work ends (`exclusive`): under
@@ -211,9 +211,8 @@ class LogState:
 
     def wrote_through_descriptor(self) -> None:
         """Tells the storage's descriptor budget (descriptors.py) this stream's descriptor was just
-        used. Under fsync=never nothing gives a descriptor back, so it is not counted."""
-        if self.host.fsync != "never":
-            self.host.descriptors.wrote(self)
+        used."""
+        self.host.descriptors.wrote(self)
 
     def descriptor_open(self) -> bool:
         writer = self._writer
