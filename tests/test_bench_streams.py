@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not h2load.available(), reason="h2load not insta
 STREAMS = 120
 
 
-def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path) -> None:
+@pytest.mark.parametrize("from_idle", [False, True])
+def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path, from_idle: bool) -> None:
     out = tmp_path / "report.json"
     done = subprocess.run(
         [
@@ -35,6 +36,7 @@ def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path) -> Non
             "0.5",
             "--json",
             str(out),
+            *(["--hot-from-idle"] if from_idle else []),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -61,6 +63,9 @@ def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path) -> Non
     assert 0 < report["hibernate_wait_s"] < 60
     assert report["appends_all_per_s"] / report["appends_hot_per_s"] == pytest.approx(report["ratio"])
     assert "| appends over 120 streams |" in done.stdout
+    assert report["hot_from_idle"] is from_idle
+    assert ("waiting for the streams to hibernate again" in done.stdout) is from_idle
+    assert ("| over 8 (from idle) |" in done.stdout) is from_idle
 
 
 def test_failed_appends_are_reported_by_what_answered_them() -> None:

@@ -8,7 +8,10 @@ it dropped, so appends, reads and a restart see nothing of it. In process, on a 
 
 from __future__ import annotations
 
+import errno
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,12 @@ import trio
 
 from streamkeep.protocol.stream import StreamMeta
 from streamkeep.storage.base import AppendRecord, ByteBudget
+from streamkeep.storage.disk.index import Segment
 from streamkeep.storage.disk.log import DiskLog
 from streamkeep.storage.disk.log_state import NO_PRODUCERS
 from streamkeep.storage.disk.storage import DiskStorage
+from streamkeep.storage.disk.writer import ReadOnly, SegmentWriter
+from tests.faultyfs import FaultyFS
 
 BUDGET = ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22)
 
@@ -209,4 +215,84 @@ async def test_a_deleted_stream_leaves_the_descriptor_budget(tmp_path: Path) -> 
             await storage.delete(f"gone{number}")
             assert stream_log._cache is None
         assert storage.descriptors.held == 0 and segment_fds(tmp_path) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_append_queued_behind_a_failed_give_back_sync_is_committed(tmp_path: Path) -> None:
+    """The committer passes over a stream whose I/O lock is held. A give-back sync that failed
+    (EIO) left the lock without waking it, so under fsync=never (no interval sync to come) an append
+    queued meanwhile waited for the stream's next append, and a delete's drain hung (review)."""
+    fs = FaultyFS()
+    failed: list[int] = []
+
+    def eio_once_on_s0(real: Callable[[int], None], fd: int) -> None:
+        if "/s0/" in os.readlink(f"/proc/self/fd/{fd}") and not failed:
+            failed.append(fd)
+            time.sleep(0.3)  # the append below queues meanwhile
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    fs.script("fdatasync", eio_once_on_s0)
+    storage = DiskStorage(tmp_path, budget=BUDGET, fsync="never", write_descriptors=2, fs=fs)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        logs = [await storage.create(new_meta(f"s{i}"), []) for i in range(3)]
+        for stream_log in logs:
+            stream_log.on_publish = lambda: None
+        for number, stream_log in enumerate(logs):  # s2's write: the trim lists s0 and s1 for a sync
+            assert await stream_log.submit(plain(stream_log, b"x%d;" % number)).wait() == 3
+        first = logs[0]
+        with trio.fail_after(5):
+            while not first.io_lock.locked():  # s0's give-back sync holds it, fdatasync in a thread
+                await trio.sleep(0.001)
+        queued = first.submit(plain(first, b"queued;"))
+        with trio.fail_after(5):
+            assert await queued.wait() == 10
+        assert failed, "the give-back sync never ran"
+        with trio.fail_after(5):
+            await storage.delete("s0")
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_give_back_sync_that_fails_otherwise_leaves_the_others_synced(tmp_path: Path) -> None:
+    """A give-back sync that raises something other than OSError (ReadOnly: a stream whose records
+    no longer verify) cancelled the other streams' syncs, and a sync cancelled before it ran had
+    already marked its stream clean: its descriptor could be given back unsynced and a clean stop
+    skip it (review). Each stream's failure is its own now, and what was not synced stays owed."""
+    fs = FaultyFS()
+    synced: list[str] = []
+
+    def count(real: Callable[[int], None], fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}").split("/")[-2])
+        real(fd)
+
+    fs.script("fdatasync", count)
+    real_sync = SegmentWriter.sync
+
+    def read_only_for_s0(writer: SegmentWriter, active: Segment) -> None:
+        time.sleep(0.02)  # a real disk's fdatasync: the others wait for the one I/O thread
+        if os.fspath(writer.directory).endswith("/s0"):
+            raise ReadOnly("records no longer verify")
+        real_sync(writer, active)
+
+    storage = DiskStorage(tmp_path, budget=BUDGET, fsync="never", io_threads=1, write_descriptors=16, fs=fs)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        logs = [await storage.create(new_meta(f"s{i}"), []) for i in range(18)]
+        for stream_log in logs:
+            stream_log.on_publish = lambda: None
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(SegmentWriter, "sync", read_only_for_s0)
+            for number, stream_log in enumerate(logs):  # the trims list the oldest for a sync
+                assert await stream_log.submit(plain(stream_log, b"x%02d;" % number)).wait() == 4
+            with trio.fail_after(5):  # the trim at s16's write listed s0, s1 and s2
+                while not {"s1", "s2"} <= set(synced):
+                    await trio.sleep(0.01)
+            await trio.sleep(0.2)
+        assert logs[0].dirty, "a sync that failed must leave its stream owing one"
+        for stream_log in logs:
+            assert stream_log.dirty or stream_log.meta.name in synced, (
+                f"{stream_log.meta.name} clean, never synced"
+            )
+        assert "descriptor give-back sync" in storage.health.failures
         nursery.cancel_scope.cancel()

@@ -250,6 +250,6 @@ class DiskLog(LogReads, LogRetention):
             self.dirty = False
             try:
                 await self.host.run_io(self.writer.sync, self.active_segment)
-            except OSError:
+            except BaseException:  # failed, refused (ReadOnly) or cancelled before it ran: still owed
                 self.dirty = True
                 raise

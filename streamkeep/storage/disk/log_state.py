@@ -347,9 +347,17 @@ class LogState:
 
     @asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
-        """Holds the stream's I/O lock; wakes the committer afterwards if appends queued meanwhile."""
-        async with self.io_lock:
-            yield
+        """Holds the stream's I/O lock; wakes the committer afterwards if appends queued meanwhile,
+        however the work under the lock ended: the committer passed over the stream while the
+        lock was held, and after a sync that failed nothing else woke it (under fsync=never an
+        append queued meanwhile waited for the stream's next append, and a delete's drain hung)."""
+        try:
+            async with self.io_lock:
+                yield
+        finally:
+            self._after_exclusive()
+
+    def _after_exclusive(self) -> None:
         if self._queue:
             # Only ever a DiskLog, which the committer takes batches from.
             self.host.committer.wake(cast("Committable", self))

@@ -242,7 +242,7 @@ class DiskStorage:
             if self.fsync != "always" and (has_fd or stream_log.dirty):
                 try:
                     await stream_log.sync()
-                except OSError as error:
+                except (OSError, ReadOnly) as error:
                     clean = False
                     log.error("shutdown: syncing %r failed: %s", stream_log.meta.name, error)
         self.close()
@@ -263,28 +263,37 @@ class DiskStorage:
 
     async def _sync_to_give_back(self) -> None:
         """Syncs the streams whose unsynced writes kept the descriptor budget from giving their
-        descriptors back (descriptors.py), then gives them back. All that were asked at once, in
-        parallel (as many as the I/O threads allow): one at a time, 6,000 streams written once
-        each under fsync=never outran the syncs and reached the descriptor limit all the same."""
-        while True:
-            await self._unsynced_wanted.wait()
-            self._unsynced_wanted = trio.Event()
-            async with trio.open_nursery() as nursery:
+        descriptors back (descriptors.py), then gives them back: each in its own task as soon as
+        it is listed (as many at once as the I/O threads allow), so one slow sync holds up no
+        other. One at a time, 6,000 streams written once each under fsync=never outran the syncs
+        and reached the descriptor limit all the same."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                await self._unsynced_wanted.wait()
+                self._unsynced_wanted = trio.Event()
                 for holder in self.descriptors.take_unsynced():
                     nursery.start_soon(self._sync_and_give_back, cast("DiskLog", holder))
 
     async def _sync_and_give_back(self, stream_log: DiskLog) -> None:
+        """Never raises: a failure is the stream's own (it keeps its descriptor and the next trim
+        asks again), and must not cancel the other streams' syncs."""
         if stream_log.deleted:
             return
         was_open = stream_log.descriptor_open()
-        if stream_log.dirty:
-            try:
+        try:
+            if stream_log.dirty:
                 await stream_log.sync()
-            except OSError as error:  # it keeps its descriptor; the next trim asks again
-                self.health.failed("descriptor give-back sync", f"{stream_log.meta.name!r}: {error}")
-                return
-            self.health.ok("descriptor give-back sync")
-        self.descriptors.synced(stream_log, was_open)
+        except (OSError, ReadOnly) as error:
+            self.health.failed("descriptor give-back sync", f"{stream_log.meta.name!r}: {error}")
+            return
+        except Exception as error:  # a bug: logged with its traceback, the other syncs go on
+            self.health.failed(
+                "descriptor give-back sync", f"{stream_log.meta.name!r}: {error!r}", traceback=error
+            )
+            return
+        self.health.ok("descriptor give-back sync")
+        if not stream_log.deleted:  # a delete meanwhile closed it, not the budget
+            self.descriptors.synced(stream_log, was_open)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -294,7 +303,7 @@ class DiskStorage:
                     continue
                 try:
                     await stream_log.sync()
-                except OSError as error:
+                except (OSError, ReadOnly) as error:  # the stream's own: the other streams are synced
                     self.health.failed("interval sync", f"{stream_log.meta.name!r}: {error}")
                 else:
                     self.health.ok("interval sync")
