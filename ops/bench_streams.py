@@ -8,7 +8,10 @@ One real `streamkeep serve --storage disk` process (fsync always) with a short `
 2. RSS (from /proc) before, after creating, and after every stream actor hibernated (it waits for
    /stats `actors_active` to fall back to where it was before the creates, not a fixed time);
 3. appends (100 B POSTs) spread over all the streams, then the same count over `--hot` streams,
-   and their ratio (issue 26: appends over 100,000 streams >= 0.9x appends over 1,024).
+   and their ratio (issue 26: appends over 100,000 streams >= 0.9x appends over 1,024). The hot
+   streams were appended to in the first phase too, so they start awake, with their descriptors
+   open; `--hot-from-idle` waits until they hibernated again, so both phases start from idle
+   streams and the ratio shows only what the number of streams costs.
 
 h2load starts every connection at the top of its URI list (`-i`), so one h2load with 64
 connections over N URIs would create only N/64 streams and re-PUT them; each connection here is its
@@ -94,6 +97,7 @@ class Report:
     append_failure_classes: dict[str, int]
     ratio: float
     load: str
+    hot_from_idle: bool = False  # the hot phase began once every stream hibernated again
 
 
 def stats(server: ServerProcess) -> dict:
@@ -234,6 +238,9 @@ def bench(args: argparse.Namespace) -> Report:
                 total=appends,
             )
             hot = paths[: args.hot]
+            if args.hot_from_idle:
+                print("waiting for the streams to hibernate again ...", flush=True)
+                wait_for_hibernation(server, before["actors_active"], args.hibernate_after * 4 + 120)
             print(f"appending {each * args.clients} x 100 B over {len(hot)} streams ...", flush=True)
             hot_streams = run_slices(
                 server,
@@ -274,6 +281,7 @@ def bench(args: argparse.Namespace) -> Report:
         },
         ratio=all_streams.per_second / hot_streams.per_second if hot_streams.per_second else 0.0,
         load=load_average(),
+        hot_from_idle=args.hot_from_idle,
     )
 
 
@@ -286,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hot", type=int, default=1024, help="streams of the second append phase")
     parser.add_argument("--appends", type=int, default=0, help="appends per phase (default: --streams)")
     parser.add_argument("--hibernate-after", type=float, default=5.0, help="the server's, in seconds")
+    parser.add_argument(
+        "--hot-from-idle",
+        action="store_true",
+        help="start the hot phase once every stream hibernated again (not awake from the first)",
+    )
     parser.add_argument("--server-arg", action="append", default=[], help="passed to serve (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the report here as JSON")
     args = parser.parse_args(argv)
@@ -313,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(
-        f"| appends over {report.streams} streams | over {report.hot} | ratio | server CPU per append, all / hot | failed |"
+        f"| appends over {report.streams} streams | over {report.hot}{' (from idle)' if report.hot_from_idle else ''} "
+        "| ratio | server CPU per append, all / hot | failed |"
     )
     print("|---|---|---|---|---|")
     print(

@@ -15,8 +15,11 @@ the registry:
   once a round (a catalog layout, which streamkeep does not have): the floor a different layout
   would have.
 
-Creates/s here bound the server's on this disk: `bench-streams` at or near the `fdatasync` figure
-means the kernel's work, not Python, sets its pace (issue 26).
+One thread is what a round of `syncfs` uses; an `fdatasync` round builds its creates in up to four
+threads (creates.MAX_THREADS), which a journalled file system can turn into shared journal commits,
+so there the server may beat this figure. Where each fsync is its own flush (the 2-core dev VM's
+ext4 has no journal), `bench-streams` at or near the `fdatasync` figure means the kernel's work,
+not Python, sets the pace (issue 26).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def measure(method: str, count: int, round_size: int, run_round: Callable[[int],
 
 def server_steps(fs: OsFileSystem, streams: Path, round_size: int, syncfs: bool) -> Callable[[int], None]:
     """One create round as the server runs it (its worker threads aside)."""
-    root_fd = os.open(streams, os.O_RDONLY)
+    root_fd = os.open(streams, os.O_RDONLY)  # as the storage keeps one: closed with the process
 
     def run_round(number: int) -> None:
         built = []
