@@ -24,6 +24,7 @@ from streamkeep.storage.disk.log import DiskLog
 from streamkeep.storage.disk.log_state import NO_PRODUCERS
 from streamkeep.storage.disk.storage import DiskStorage
 from streamkeep.storage.disk.writer import ReadOnly, SegmentWriter
+from streamkeep.storage.errors import StorageUnavailable
 from tests.faultyfs import FaultyFS
 
 BUDGET = ByteBudget(max_stream_bytes=1 << 20, max_total_bytes=1 << 22)
@@ -295,4 +296,27 @@ async def test_one_give_back_sync_that_fails_otherwise_leaves_the_others_synced(
                 f"{stream_log.meta.name} clean, never synced"
             )
         assert "descriptor give-back sync" in storage.health.failures
+        nursery.cancel_scope.cancel()
+
+
+async def test_making_a_read_only_stream_durable_is_a_503_not_a_bare_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork makes its source durable first (fsync=interval or never); a source whose records no
+    longer verify raised a bare ReadOnly there, which the service answers 500 (review)."""
+    storage = DiskStorage(tmp_path, budget=BUDGET, fsync="interval", fsync_interval=600)
+    async with trio.open_nursery() as nursery:
+        await storage.start(nursery)
+        stream_log = await storage.create(new_meta("source"), [])
+        assert await stream_log.submit(plain(stream_log, b"one;")).wait() == 4
+        assert stream_log.dirty
+
+        def read_only(writer: SegmentWriter, active: Segment) -> None:
+            raise ReadOnly("records no longer verify")
+
+        monkeypatch.setattr(SegmentWriter, "sync", read_only)
+        with pytest.raises(StorageUnavailable) as refused:
+            await stream_log.make_durable()
+        assert refused.value.status == 503 and refused.value.code == "read_only"
+        assert stream_log.dirty, "nothing was synced: still owed"
         nursery.cancel_scope.cancel()

@@ -231,10 +231,13 @@ class DiskLog(LogReads, LogRetention):
 
     async def make_durable(self) -> None:
         if self.host.fsync != "always" and self.dirty:
+            what = f"sync of {self.meta.name!r}"
             try:
                 await self.sync()
             except OSError as error:
-                raise from_os_error(error, f"sync of {self.meta.name!r}") from None
+                raise from_os_error(error, what) from None
+            except ReadOnly as error:  # left bare, a 500 to the client of the fork that asked
+                raise StorageUnavailable(f"{what}: {error}", status=503, code="read_only") from None
 
     def went_idle(self) -> None:
         """Its actor hibernated: nobody listens for publishes any more (the next actor says so
