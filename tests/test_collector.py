@@ -9,12 +9,12 @@ import gc
 from streamkeep import collector
 
 
-def test_tune_raises_only_the_young_threshold() -> None:
+def test_tune_raises_the_young_and_middle_thresholds_and_keeps_the_oldest() -> None:
     before = gc.get_threshold()
     try:
         collector.tune()
-        assert gc.get_threshold() == (collector.YOUNG_THRESHOLD, before[1], before[2])
-        assert collector.YOUNG_THRESHOLD > before[0]
+        assert gc.get_threshold() == (collector.YOUNG_THRESHOLD, collector.MIDDLE_THRESHOLD, before[2])
+        assert collector.YOUNG_THRESHOLD > before[0] and collector.MIDDLE_THRESHOLD > before[1]
         assert gc.isenabled()  # tuned, never turned off: cycles are still collected
     finally:
         gc.set_threshold(*before)
