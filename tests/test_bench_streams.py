@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ops.loadtest import h2load
-from ops.serverproc import ROOT
+from tests.ops_script import run_with_json
 
 pytestmark = pytest.mark.skipif(not h2load.available(), reason="h2load not installed (make h2load)")
 
@@ -21,30 +18,12 @@ STREAMS = 120
 @pytest.mark.parametrize("from_idle", [False, True])
 def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path, from_idle: bool) -> None:
     out = tmp_path / "report.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ops.bench_streams",
-            "--streams",
-            str(STREAMS),
-            "--clients",
-            "4",
-            "--hot",
-            "8",
-            "--hibernate-after",
-            "0.5",
-            "--json",
-            str(out),
-            *(["--hot-from-idle"] if from_idle else []),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    stdout, report = run_with_json(
+        "ops.bench_streams",
+        *("--streams", str(STREAMS), "--clients", "4", "--hot", "8", "--hibernate-after", "0.5"),
+        *(["--hot-from-idle"] if from_idle else []),
+        out=out,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(out.read_text())
     # Every create made a new stream: the server counted them, not just h2load's 2xx answers.
     assert report["streams_seen"] == STREAMS
     assert report["create_failures"] == 0 and report["append_failures"] == 0
@@ -62,10 +41,10 @@ def test_bench_streams_reports_creates_memory_and_appends(tmp_path: Path, from_i
     )
     assert 0 < report["hibernate_wait_s"] < 60
     assert report["appends_all_per_s"] / report["appends_hot_per_s"] == pytest.approx(report["ratio"])
-    assert "| appends over 120 streams |" in done.stdout
+    assert "| appends over 120 streams |" in stdout
     assert report["hot_from_idle"] is from_idle
-    assert ("waiting for the streams to hibernate again" in done.stdout) is from_idle
-    assert ("| over 8 (from idle) |" in done.stdout) is from_idle
+    assert ("waiting for the streams to hibernate again" in stdout) is from_idle
+    assert ("| over 8 (from idle) |" in stdout) is from_idle
 
 
 def test_failed_appends_are_reported_by_what_answered_them() -> None:

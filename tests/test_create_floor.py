@@ -2,49 +2,34 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ops import create_floor
-from ops.serverproc import ROOT
 from streamkeep.storage.files import OsFileSystem
+from tests.ops_script import run_with_json
 
 
 def test_the_floor_reports_each_method_with_real_figures(tmp_path: Path) -> None:
-    out = tmp_path / "floor.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ops.create_floor",
-            "--dir",
-            str(tmp_path),
-            "--creates",
-            "40",
-            "--round",
-            "8",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    stdout, floors = run_with_json(
+        "ops.create_floor",
+        "--dir",
+        str(tmp_path),
+        "--creates",
+        "40",
+        "--round",
+        "8",
+        out=tmp_path / "floor.json",
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    floors = json.loads(out.read_text())
     assert [floor["method"] for floor in floors] == ["fdatasync", "syncfs", "one file"]
     for floor in floors:
         assert floor["creates"] == 40
         assert math.isfinite(floor["per_second"]) and floor["per_second"] > 0
         assert floor["user_us"] >= 0 and floor["sys_us"] >= 0
-    assert "| fdatasync |" in done.stdout
+    assert "| fdatasync |" in stdout
     assert os.listdir(tmp_path) == ["floor.json"], "its work directory was left behind"
 
 
