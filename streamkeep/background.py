@@ -96,7 +96,6 @@ class MemoryGiveBack:
 
     def __init__(self, every: float = TRIM_EVERY) -> None:
         self.every = every
-        self.trims = 0
         self._wake = trio.Event()
 
     def soon(self) -> None:
@@ -111,4 +110,3 @@ class MemoryGiveBack:
                 await self._wake.wait()
             self._wake = trio.Event()
             trim()
-            self.trims += 1
